@@ -1,0 +1,219 @@
+"""FP8 dot_general with delayed or current scaling (a ``jax.custom_vjp``).
+
+Forward: both operands cast to the recipe's forward format (E4M3) and fed *as FP8 arrays*
+to ``lax.dot_general`` (XLA rewrites exactly that into a cuBLASLt FP8 GEMM on sm_89+).
+Backward: the output gradient cast to the backward format (E5M2); input gradient
+``g x w^T`` and weight gradient ``x^T g`` are E5M2 x E4M3 FP8 GEMMs (never E5M2 x E5M2).
+The FP8 operands are the residuals, so saved activations take 1 byte per element.
+
+The updated :class:`Fp8DotMeta` comes back from the backward pass as the cotangent of the
+meta argument (the overwrite-with-gradient convention): ``jax.grad`` with respect to the meta
+returns the new meta. :func:`fp8_dot_general_chained` also returns the meta unchanged as a
+second output; a later call that consumes it passes its own update back through it, and the
+two updates combine by max, so a layer that is called twice never sums its FP8 state.
+
+Where FP8 GEMMs cannot run (not every device is a GPU of compute capability >= 8.9, or a
+shape cuBLASLt refuses) the identical quantized math runs with FP8 values upcast to f32
+("emulated"); this is decided at trace time, the same on every process, and logged once.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from typing import Any, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from fp8jax import scaling
+from fp8jax.recipe import Recipe
+from fp8jax.scaling import Fp8Meta
+
+logger = logging.getLogger("fp8jax")
+_LOGGED: set[str] = set()
+_NATIVE_OUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+MIN_CAPABILITY = (8, 9)
+
+
+class Fp8DotMeta(NamedTuple):
+  """FP8 state of one GEMM: one :class:`Fp8Meta` per tensor role."""
+
+  input: Fp8Meta
+  kernel: Fp8Meta
+  output_grad: Fp8Meta
+
+
+def init_dot_meta(recipe: Recipe = Recipe()) -> Fp8DotMeta:
+  """Fresh state for one FP8 GEMM under `recipe`."""
+  m = scaling.init_meta(recipe.amax_history_len)
+  return Fp8DotMeta(m, m, m)
+
+
+def log_once(message: str) -> None:
+  """Logs `message` at WARNING level the first time it is seen in this process."""
+  if message not in _LOGGED:
+    _LOGGED.add(message)
+    logger.warning(message)
+
+
+def _capability(device) -> tuple[int, int] | None:
+  cc = getattr(device, "compute_capability", None)
+  if device.platform != "gpu" or cc is None:
+    return None
+  major, _, minor = str(cc).partition(".")
+  return int(major), int(minor or 0)
+
+
+@functools.lru_cache(maxsize=None)
+def native_fp8_reason() -> str | None:
+  """None when every device of the run (all processes) runs FP8 GEMMs, else why not.
+
+  Decided from ``jax.devices()``, the global device list, so every process agrees.
+  """
+  for d in jax.devices():
+    cc = _capability(d)
+    if cc is None:
+      return f"device {d.device_kind!r} ({d.platform}) has no FP8 GEMMs"
+    if cc < MIN_CAPABILITY:
+      return f"device {d.device_kind!r} has compute capability {cc[0]}.{cc[1]} < 8.9"
+  return None
+
+
+def _gemm_reason(m: int, k: int, n: int, out_dtype) -> str | None:
+  """None when cuBLASLt takes an FP8 GEMM of this shape and output dtype."""
+  if any(d % 16 for d in (m, k, n)):
+    return f"GEMM shape (M={m}, K={k}, N={n}) is not a multiple of 16"
+  if np.dtype(out_dtype) not in [np.dtype(d) for d in _NATIVE_OUT_DTYPES]:
+    return f"output dtype {np.dtype(out_dtype).name} is not bf16/f16/f32"
+  return None
+
+
+class _Config(NamedTuple):
+  """Static (hashable) arguments of the canonical FP8 matmul."""
+
+  recipe: Recipe
+  out_dtype: Any
+  native: bool
+  amax_axes: tuple[str, ...]
+  x_dtype: Any
+  w_dtype: Any
+
+
+def _mm(a, b, contract: tuple[int, int], scale, out_dtype, native: bool):
+  """scale * (a @ b) contracting a's axis contract[0] with b's contract[1]; axis 0 batched
+  when both are 3-D. FP8 inputs go straight to dot_general when `native`."""
+  batch = ((0,), (0,)) if a.ndim == 3 else ((), ())
+  dn = (((contract[0],), (contract[1],)), batch)
+  if native:
+    y = lax.dot_general(a, b, dn, preferred_element_type=jnp.float32)
+  else:
+    y = lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dn,
+                        precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+  return (y * scale).astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fp8_matmul(x, w, meta: Fp8DotMeta, cfg: _Config):
+  """x[B?, M, K] @ w[B?, K, N] in FP8; returns (y[B?, M, N], meta)."""
+  return _fp8_matmul_fwd(x, w, meta, cfg)[0]
+
+
+def _fp8_matmul_fwd(x, w, meta: Fp8DotMeta, cfg: _Config):
+  r = cfg.recipe
+  ax = scaling.compute_amax(x, cfg.amax_axes)
+  aw = scaling.compute_amax(w, cfg.amax_axes)
+  sx = scaling.scale_for_cast(meta.input, ax, r, r.fwd_format)
+  sw = scaling.scale_for_cast(meta.kernel, aw, r, r.fwd_format)
+  qx = scaling.quantize(x, sx, r.fwd_format)
+  qw = scaling.quantize(w, sw, r.fwd_format)
+  k_axis = x.ndim - 1
+  y = _mm(qx, qw, (k_axis, k_axis - 1), sx * sw, cfg.out_dtype, cfg.native)
+  new_in = scaling.update_meta(meta.input, ax, r, r.fwd_format)
+  new_k = scaling.update_meta(meta.kernel, aw, r, r.fwd_format)
+  res = (qx, qw, sx, sw, meta.output_grad, new_in, new_k)
+  return (y, meta), res
+
+
+def _fp8_matmul_bwd(cfg: _Config, res, cts):
+  qx, qw, sx, sw, og_meta, new_in, new_k = res
+  g, meta_ct = cts
+  r = cfg.recipe
+  ag = scaling.compute_amax(g, cfg.amax_axes)
+  sg = scaling.scale_for_cast(og_meta, ag, r, r.bwd_format)
+  qg = scaling.quantize(g, sg, r.bwd_format)
+  m_axis = g.ndim - 2
+  # dgrad: g[.., M, N] . w[.., K, N] over N -> [.., M, K]; wgrad: x[.., M, K] . g[.., M, N]
+  # over M -> [.., K, N]. Both are E5M2 x E4M3.
+  dx = _mm(qg, qw, (m_axis + 1, m_axis + 1), sg * sw, cfg.x_dtype, cfg.native)
+  dw = _mm(qx, qg, (m_axis, m_axis), sx * sg, cfg.w_dtype, cfg.native)
+  new_meta = Fp8DotMeta(new_in, new_k, scaling.update_meta(og_meta, ag, r, r.bwd_format))
+  return dx, dw, scaling.combine_max(new_meta, meta_ct)
+
+
+_fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
+
+
+def _canonical_dims(lhs_shape, rhs_shape, dimension_numbers):
+  """Permutations and sizes that turn a dot_general into [B, M, K] @ [B, K, N]."""
+  (lc, rc), (lb, rb) = dimension_numbers
+  lc, rc, lb, rb = (tuple(int(a) for a in t) for t in (lc, rc, lb, rb))
+  lf = tuple(i for i in range(len(lhs_shape)) if i not in lc + lb)
+  rf = tuple(i for i in range(len(rhs_shape)) if i not in rc + rb)
+  size = lambda shape, axes: math.prod(shape[i] for i in axes)
+  b, m, k, n = size(lhs_shape, lb), size(lhs_shape, lf), size(lhs_shape, lc), size(rhs_shape, rf)
+  out_shape = tuple(lhs_shape[i] for i in lb + lf) + tuple(rhs_shape[i] for i in rf)
+  return lb + lf + lc, rb + rc + rf, (b, m, k, n), bool(lb), out_shape
+
+
+def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
+                            recipe: Recipe = Recipe(), *, preferred_element_type=None,
+                            amax_axes: Sequence[str] = ()):
+  """FP8 ``lax.dot_general``; returns ``(out, meta_passthrough)``.
+
+  `meta_passthrough` equals `meta`; hand it to the next call of the same layer so both
+  calls' FP8 updates combine by max in the backward pass (see the module docstring).
+  Args:
+    lhs: activations, any float dtype; rhs: weights.
+    dimension_numbers: as for ``lax.dot_general`` (any contracting/batch layout).
+    meta: the GEMM's :class:`Fp8DotMeta` (its gradient is the updated meta).
+    recipe: formats and scaling rules.
+    preferred_element_type: output dtype (default: the promoted input dtype).
+    amax_axes: mesh axis names (inside ``shard_map``) to agree amaxes over with pmax.
+  """
+  if not isinstance(meta, Fp8DotMeta):
+    raise TypeError(f"meta must be an Fp8DotMeta, got {type(meta).__name__}; use "
+                    "fp8jax.init_dot_meta(recipe)")
+  if not isinstance(recipe, Recipe):
+    raise TypeError(f"recipe must be an fp8jax.Recipe, got {type(recipe).__name__}")
+  lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+  for name, arr in (("lhs", lhs), ("rhs", rhs)):
+    if not jnp.issubdtype(arr.dtype, jnp.floating):
+      raise TypeError(f"fp8_dot_general: {name} must be a float array, got {arr.dtype}")
+  out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
+  lperm, rperm, (b, m, k, n), batched, out_shape = _canonical_dims(lhs.shape, rhs.shape,
+                                                                  dimension_numbers)
+  x = jnp.transpose(lhs, lperm).reshape((b, m, k) if batched else (m, k))
+  w = jnp.transpose(rhs, rperm).reshape((b, k, n) if batched else (k, n))
+  reason = native_fp8_reason() or _gemm_reason(m, k, n, out_dtype)
+  if reason:
+    log_once(f"fp8jax: FP8 GEMMs emulated (same quantized math in f32): {reason}")
+  cfg = _Config(recipe, np.dtype(out_dtype).type, reason is None, tuple(amax_axes),
+                np.dtype(lhs.dtype).type, np.dtype(rhs.dtype).type)
+  y, meta_out = _fp8_matmul(x, w, meta, cfg)
+  return y.reshape(out_shape), meta_out
+
+
+def fp8_dot_general(lhs, rhs, dimension_numbers, meta: Fp8DotMeta, recipe: Recipe = Recipe(),
+                    precision=None, preferred_element_type=None, *, amax_axes: Sequence[str] = ()):
+  """FP8 ``lax.dot_general``: like :func:`fp8_dot_general_chained`, returning only the output.
+
+  `precision` is accepted for signature compatibility and ignored: FP8 GEMMs accumulate
+  in f32.
+  """
+  del precision
+  return fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta, recipe,
+                                 preferred_element_type=preferred_element_type,
+                                 amax_axes=amax_axes)[0]

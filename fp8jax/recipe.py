@@ -1,0 +1,128 @@
+"""FP8 recipes and the MS-AMP optimization levels O0..O3.
+
+A :class:`Recipe` says how tensors are cast to FP8 (formats, how the per-tensor scale is
+chosen). An :class:`OptLevel` says which parts of training run in low precision; its
+optimizer and sharding fields are read by ``fp8jax.optim``, ``fp8jax.parallel`` and
+``fp8jax.train`` and are only descriptive until those land.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
+
+_FORMAT_NAMES = {"e4m3": E4M3, "e5m2": E5M2}
+_FWD_FORMATS = (E4M3,)
+_BWD_FORMATS = (E5M2, E4M3)
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+SCALINGS = ("delayed", "current")
+
+
+def _as_fp8_format(field: str, value: Any, allowed: tuple) -> Any:
+  """Resolves "e4m3"/"e5m2" or a dtype to a jnp FP8 dtype; raises naming `field`."""
+  allowed_names = [np.dtype(d).name for d in allowed]
+  dtype = _FORMAT_NAMES.get(value, value) if isinstance(value, str) else value
+  try:
+    dtype = np.dtype(dtype)
+  except TypeError:
+    dtype = None
+  if dtype is None or dtype not in [np.dtype(d) for d in allowed]:
+    raise ValueError(f"Recipe.{field}={value!r} is not allowed; use one of {allowed_names}")
+  return dtype.type
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+  """How tensors of one FP8 GEMM are scaled and cast.
+
+  Attributes:
+    fwd_format: FP8 type of forward operands (activations, weights). Only E4M3: an E5M2
+      forward operand would make the input-gradient GEMM E5M2 x E5M2, which is illegal.
+    bwd_format: FP8 type of the output gradient (E5M2 by default, "HYBRID" in TE's words).
+    amax_history_len: number of past amax values kept per tensor (>= 1).
+    amax_compute_algo: "max" (max over the history) or "most_recent".
+    margin: scale headroom in powers of two: amax maps to fp8_max / 2**margin (>= 0).
+    scaling: "delayed" (scale from past amaxes, one pass over the tensor) or "current"
+      (just-in-time: scale from this tensor's own amax, one extra reduction).
+    power_of_two_scales: round every scale up to a power of two (MS-AMP), so that scaling
+      is exact in binary floating point.
+  """
+
+  fwd_format: Any = E4M3
+  bwd_format: Any = E5M2
+  amax_history_len: int = 16
+  amax_compute_algo: str = "max"
+  margin: int = 0
+  scaling: str = "delayed"
+  power_of_two_scales: bool = False
+
+  def __post_init__(self):
+    object.__setattr__(self, "fwd_format", _as_fp8_format("fwd_format", self.fwd_format, _FWD_FORMATS))
+    object.__setattr__(self, "bwd_format", _as_fp8_format("bwd_format", self.bwd_format, _BWD_FORMATS))
+    if not isinstance(self.amax_history_len, (int, np.integer)) or isinstance(self.amax_history_len, bool) \
+        or self.amax_history_len < 1:
+      raise ValueError(f"Recipe.amax_history_len={self.amax_history_len!r} is not allowed; use an integer >= 1")
+    if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+      raise ValueError(f"Recipe.amax_compute_algo={self.amax_compute_algo!r} is not allowed; "
+                       f"use one of {list(AMAX_COMPUTE_ALGOS)}")
+    if isinstance(self.margin, bool) or not isinstance(self.margin, (int, float, np.integer, np.floating)) \
+        or not np.isfinite(self.margin) or self.margin < 0:
+      raise ValueError(f"Recipe.margin={self.margin!r} is not allowed; use a finite number >= 0")
+    if self.scaling not in SCALINGS:
+      raise ValueError(f"Recipe.scaling={self.scaling!r} is not allowed; use one of {list(SCALINGS)}")
+    if not isinstance(self.power_of_two_scales, (bool, np.bool_)):
+      raise ValueError(f"Recipe.power_of_two_scales={self.power_of_two_scales!r} is not allowed; "
+                       "use True or False")
+
+  def replace(self, **changes) -> "Recipe":
+    """A copy with `changes` applied (validated again)."""
+    return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptLevel:
+  """One MS-AMP optimization level (see DESIGN.md's table).
+
+  Attributes:
+    name: "O0".."O3".
+    recipe: FP8 recipe of the GEMMs; None means BF16 GEMMs (O0).
+    grad_comm_dtype: dtype weight gradients travel in between devices.
+    master_dtype: dtype of master weights (O2/O3 keep FP16 with a per-tensor scale).
+    mu_dtype, nu_dtype: Adam first/second moment storage dtypes.
+    zero_stage: default ZeRO stage (O3 shards; others use the configured stage).
+  The fields after `recipe` are consumed by the optimizer and parallel packages; until
+  those land they only describe the level.
+  """
+
+  name: str
+  recipe: Recipe | None
+  grad_comm_dtype: Any
+  master_dtype: Any
+  mu_dtype: Any
+  nu_dtype: Any
+  zero_stage: int = 0
+
+  @property
+  def fp8_gemms(self) -> bool:
+    """True when the level's GEMMs run in FP8."""
+    return self.recipe is not None
+
+
+O0 = OptLevel("O0", None, jnp.bfloat16, jnp.float32, jnp.float32, jnp.float32)
+O1 = OptLevel("O1", Recipe(), E4M3, jnp.float32, jnp.float32, jnp.float32)
+O2 = OptLevel("O2", Recipe(), E4M3, jnp.float16, E4M3, jnp.float16)
+O3 = OptLevel("O3", Recipe(), E4M3, jnp.float16, E4M3, jnp.float16, zero_stage=1)
+LEVELS = {lvl.name: lvl for lvl in (O0, O1, O2, O3)}
+
+
+def opt_level(name: str) -> OptLevel:
+  """Looks a level up by name ("O0".."O3", case-insensitive)."""
+  key = str(name).upper()
+  if key not in LEVELS:
+    raise ValueError(f"opt level {name!r} is not allowed; use one of {sorted(LEVELS)}")
+  return LEVELS[key]

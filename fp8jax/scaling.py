@@ -1,0 +1,117 @@
+"""Per-tensor FP8 scaling: the state pytree, quantize/dequantize and scale updates.
+
+Scale convention (one for all of fp8jax): ``scale`` is an f32 scalar *dequantization*
+factor. A tensor ``x`` is stored as ``q = fp8(clip(x / scale, -fp8_max, fp8_max))`` and read
+back as ``x ~= f32(q) * scale``. A fresh scale maps the tensor's amax to
+``fp8_max / 2**margin``: ``scale = amax * 2**margin / fp8_max`` (rounded up to a power of two
+when the recipe asks). An amax that is zero, inf or NaN keeps the previous scale.
+
+Delayed scaling uses ``Fp8Meta.scale``, computed from the amax history at the previous
+update, so quantization needs no extra pass over the tensor. Current scaling computes the
+scale from the tensor's own amax just in time. A meta whose history is still all zero (never
+observed a tensor) uses current scaling once, so the first step does not quantize with an
+arbitrary scale of 1.
+
+Amaxes are reduced with ``lax.pmax`` over ``axis_names`` (the mesh axes a tensor is sharded
+on inside ``shard_map``), so every device computes the same scale. Under plain ``jax.jit`` with
+sharded arrays the reduction is already global and ``axis_names`` stays empty.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fp8jax.recipe import Recipe
+
+
+class Fp8Meta(NamedTuple):
+  """FP8 state of one tensor role.
+
+  Attributes:
+    scale: f32[] dequantization factor to use at the next cast.
+    amax_history: f32[L] past amaxes, newest at index 0.
+  """
+
+  scale: jax.Array
+  amax_history: jax.Array
+
+
+def init_meta(history_len: int) -> Fp8Meta:
+  """A meta that has seen no tensor yet: scale 1, history of zeros."""
+  return Fp8Meta(jnp.ones((), jnp.float32), jnp.zeros((history_len,), jnp.float32))
+
+
+def fp8_max(fmt) -> float:
+  """Largest finite value of FP8 dtype `fmt` (448 for E4M3, 57344 for E5M2)."""
+  return float(jnp.finfo(fmt).max)
+
+
+def compute_amax(x: jax.Array, axis_names: Sequence[str] = ()) -> jax.Array:
+  """max(|x|) as f32[], reduced with pmax over the named mesh axes `axis_names`."""
+  a = jnp.max(jnp.abs(x)).astype(jnp.float32)
+  if axis_names:
+    a = lax.pmax(a, tuple(axis_names))
+  return a
+
+
+def scale_from_amax(amax: jax.Array, prev_scale: jax.Array, fmt, margin: float = 0,
+                    power_of_two: bool = False) -> jax.Array:
+  """The scale mapping `amax` to fp8_max / 2**margin; `prev_scale` where amax is 0/inf/NaN."""
+  scale = amax * (2.0 ** margin / fp8_max(fmt))
+  if power_of_two:
+    scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
+  usable = jnp.isfinite(amax) & (amax > 0) & jnp.isfinite(scale) & (scale > 0)
+  return jnp.where(usable, scale, prev_scale).astype(jnp.float32)
+
+
+def record_amax(history: jax.Array, amax: jax.Array) -> jax.Array:
+  """History with `amax` pushed at index 0 (oldest dropped); a non-finite amax records 0."""
+  amax = jnp.where(jnp.isfinite(amax), amax, 0.0).astype(history.dtype)
+  return jnp.roll(history, 1).at[0].set(amax)
+
+
+def history_amax(history: jax.Array, recipe: Recipe) -> jax.Array:
+  """The amax a scale is chosen from: max of the history, or its newest entry."""
+  return jnp.max(history) if recipe.amax_compute_algo == "max" else history[0]
+
+
+def update_meta(meta: Fp8Meta, amax: jax.Array, recipe: Recipe, fmt) -> Fp8Meta:
+  """Delayed update: record `amax`, then the next scale from the new history."""
+  history = record_amax(meta.amax_history, amax)
+  scale = scale_from_amax(history_amax(history, recipe), meta.scale, fmt, recipe.margin,
+                          recipe.power_of_two_scales)
+  return Fp8Meta(scale, history)
+
+
+def scale_for_cast(meta: Fp8Meta, amax: jax.Array, recipe: Recipe, fmt) -> jax.Array:
+  """The scale to cast a tensor of amax `amax` with now (delayed or current scaling)."""
+  current = scale_from_amax(amax, meta.scale, fmt, recipe.margin, recipe.power_of_two_scales)
+  if recipe.scaling == "current":
+    return current
+  never_observed = jnp.max(meta.amax_history) <= 0
+  return jnp.where(never_observed, current, meta.scale)
+
+
+def quantize(x: jax.Array, scale: jax.Array, fmt) -> jax.Array:
+  """x / scale, clipped to the finite range of `fmt`, cast to `fmt` (math in f32)."""
+  bound = fp8_max(fmt)
+  y = x.astype(jnp.float32) * (1.0 / scale)
+  return jnp.clip(y, -bound, bound).astype(fmt)
+
+
+def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
+  """f32(q) * scale, cast to `dtype`."""
+  return (q.astype(jnp.float32) * scale).astype(dtype)
+
+
+def combine_max(a, b):
+  """Combines two updated FP8 states of the same tensors by elementwise max.
+
+  Updates that start from one state (microbatches, repeated calls of a layer) differ only
+  in the amax they recorded; since scales grow monotonically with amax, the elementwise
+  max equals the update with the larger amax. Never sum FP8 state.
+  """
+  return jax.tree.map(jnp.maximum, a, b)
