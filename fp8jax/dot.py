@@ -102,17 +102,26 @@ class _Config(NamedTuple):
   w_dtype: Any
 
 
-def _mm(a, b, contract: tuple[int, int], scale, out_dtype, native: bool):
+def _mm(a, b, contract: tuple[int, int], scale, out_dtype, native: bool, fast_accum: bool):
   """scale * (a @ b) contracting a's axis contract[0] with b's contract[1]; axis 0 batched
-  when both are 3-D. FP8 inputs go straight to dot_general when `native`."""
+  when both are 3-D.
+
+  Native: the FP8 arrays go straight to dot_general. `fast_accum` (Precision.DEFAULT) lets
+  cuBLASLt accumulate in the tensor cores' reduced precision, which is fine for forward
+  GEMMs; backward GEMMs (long contractions over tokens) ask for HIGHEST, i.e. exact f32
+  accumulation. The GEMM writes bf16/f32 directly and the scale is applied in that dtype
+  (f16 goes through f32: unscaled sums can exceed its range).
+  """
   batch = ((0,), (0,)) if a.ndim == 3 else ((), ())
   dn = (((contract[0],), (contract[1],)), batch)
-  if native:
-    y = lax.dot_general(a, b, dn, preferred_element_type=jnp.float32)
-  else:
+  if not native:
     y = lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dn,
                         precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-  return (y * scale).astype(out_dtype)
+    return (y * scale).astype(out_dtype)
+  precision = lax.Precision.DEFAULT if fast_accum else lax.Precision.HIGHEST
+  gemm_dtype = jnp.float32 if np.dtype(out_dtype) == np.dtype(jnp.float16) else out_dtype
+  y = lax.dot_general(a, b, dn, precision=precision, preferred_element_type=gemm_dtype)
+  return (y * scale.astype(gemm_dtype)).astype(out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -130,7 +139,7 @@ def _fp8_matmul_fwd(x, w, meta: Fp8DotMeta, cfg: _Config):
   qx = scaling.quantize(x, sx, r.fwd_format)
   qw = scaling.quantize(w, sw, r.fwd_format)
   k_axis = x.ndim - 1
-  y = _mm(qx, qw, (k_axis, k_axis - 1), sx * sw, cfg.out_dtype, cfg.native)
+  y = _mm(qx, qw, (k_axis, k_axis - 1), sx * sw, cfg.out_dtype, cfg.native, True)
   new_in = scaling.update_meta(meta.input, ax, r, r.fwd_format)
   new_k = scaling.update_meta(meta.kernel, aw, r, r.fwd_format)
   res = (qx, qw, sx, sw, meta.output_grad, new_in, new_k)
@@ -147,8 +156,8 @@ def _fp8_matmul_bwd(cfg: _Config, res, cts):
   m_axis = g.ndim - 2
   # dgrad: g[.., M, N] . w[.., K, N] over N -> [.., M, K]; wgrad: x[.., M, K] . g[.., M, N]
   # over M -> [.., K, N]. Both are E5M2 x E4M3.
-  dx = _mm(qg, qw, (m_axis + 1, m_axis + 1), sg * sw, cfg.x_dtype, cfg.native)
-  dw = _mm(qx, qg, (m_axis, m_axis), sx * sg, cfg.w_dtype, cfg.native)
+  dx = _mm(qg, qw, (m_axis + 1, m_axis + 1), sg * sw, cfg.x_dtype, cfg.native, False)
+  dw = _mm(qx, qg, (m_axis, m_axis), sx * sg, cfg.w_dtype, cfg.native, False)
   new_meta = Fp8DotMeta(new_in, new_k, scaling.update_meta(og_meta, ag, r, r.bwd_format))
   return dx, dw, scaling.combine_max(new_meta, meta_ct)
 

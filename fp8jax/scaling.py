@@ -107,11 +107,19 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
   return (q.astype(jnp.float32) * scale).astype(dtype)
 
 
+def _combine_meta(a: Fp8Meta, b: Fp8Meta) -> Fp8Meta:
+  newest_a, newest_b = a.amax_history[..., 0], b.amax_history[..., 0]
+  scale = jnp.where(newest_b > newest_a, b.scale,
+                    jnp.where(newest_a > newest_b, a.scale, jnp.maximum(a.scale, b.scale)))
+  return Fp8Meta(scale, jnp.maximum(a.amax_history, b.amax_history))
+
+
 def combine_max(a, b):
-  """Combines two updated FP8 states of the same tensors by elementwise max.
+  """Combines two updated FP8 states of the same tensors by max (any pytree of Fp8Meta).
 
   Updates that start from one state (microbatches, repeated calls of a layer) differ only
-  in the amax they recorded; since scales grow monotonically with amax, the elementwise
-  max equals the update with the larger amax. Never sum FP8 state.
+  in the amax they recorded at history index 0: the result keeps the elementwise max of the
+  histories and the scale of the update that recorded the larger amax, i.e. exactly the
+  update the larger amax alone would give. Never sum FP8 state.
   """
-  return jax.tree.map(jnp.maximum, a, b)
+  return jax.tree.map(_combine_meta, a, b, is_leaf=lambda x: isinstance(x, Fp8Meta))
