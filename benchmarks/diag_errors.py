@@ -19,11 +19,11 @@ p32 = jax.tree.map(lambda t: t.astype(jnp.float32), params)
 y_ref, vjp = jax.vjp(block, p32, x.astype(jnp.float32)); dp_ref, dx_ref = vjp(ct.astype(jnp.float32))
 def run(model):
   v = {**model.init(kp, x), "params": params}
-  def step(v, x):
+  def step(v, x, ct):
     y, vjp = jax.vjp(lambda v, x: model.apply(v, x), v, x); return y, vjp(ct)
   step = jax.jit(step)
   for _ in range(3):
-    y, (dv, dx) = step(v, x)
+    y, (dv, dx) = step(v, x, ct)
     for col in ("fp8_meta", fp8_ops.OVERWRITE_WITH_GRADIENT):
       if col in dv: v = {**v, col: dv[col]}
   return dict(y=rel(y, y_ref), dx=rel(dx, dx_ref), dW0=rel(dv["params"]["Dense_0"]["kernel"], dp_ref["Dense_0"]["kernel"]),
