@@ -8,7 +8,7 @@ from fp8jax.linen import Fp8DotGeneral
 sys.path.insert(0, "benchmarks")
 from mlp_block import MLP, rel
 
-T, D, F = 4096, 2048, 8192
+import os; T, D, F = (int(v) for v in os.environ.get("DIAG_SHAPE", "4096,2048,8192").split(","))
 kx, kc, kp = jax.random.split(jax.random.key(1), 3)
 x = jax.random.normal(kx, (T, D), jnp.bfloat16); ct = jax.random.normal(kc, (T, D), jnp.bfloat16)
 params = MLP(F, D).init(kp, x)["params"]

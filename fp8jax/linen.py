@@ -16,12 +16,15 @@ put ``FP8_COLLECTION`` in ``variable_axes`` (state stacked on the layer axis).
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Sequence
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 
-from fp8jax import dot, scaling
+from fp8jax import dot, einsum, scaling
 from fp8jax.dot import Fp8DotMeta
 from fp8jax.recipe import Recipe
 
@@ -31,6 +34,22 @@ _ROLES = Fp8DotMeta._fields
 # call, so that a second call of the same layer chains onto the first (updates combine by
 # max instead of summing).
 _CHAINS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def _chained(module: nn.Module, fn, *args):
+  """Runs ``fn(*args, meta) -> (y, meta_passthrough)`` with `module`'s FP8 state.
+
+  A second call of the same module in one apply consumes the first call's passthrough, so
+  their FP8 updates combine by max in the backward pass.
+  """
+  variables = {role: module.variable(FP8_COLLECTION, role, scaling.init_meta,
+                                     module.recipe.amax_history_len) for role in _ROLES}
+  chain = _CHAINS.setdefault(module.scope.root, {})
+  meta = chain.get(module.scope.path)
+  if meta is None:
+    meta = Fp8DotMeta(*(variables[role].value for role in _ROLES))
+  y, chain[module.scope.path] = fn(*args, meta)
+  return y
 
 
 class Fp8DotGeneral(nn.Module):
@@ -48,34 +67,69 @@ class Fp8DotGeneral(nn.Module):
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                out_sharding=None):
     del precision  # FP8 GEMMs accumulate in f32
-    variables = {role: self.variable(FP8_COLLECTION, role, scaling.init_meta,
-                                     self.recipe.amax_history_len) for role in _ROLES}
-    chain = _CHAINS.setdefault(self.scope.root, {})
-    meta = chain.get(self.scope.path)
-    if meta is None:
-      meta = Fp8DotMeta(*(variables[role].value for role in _ROLES))
-    out, chain[self.scope.path] = dot.fp8_dot_general_chained(
-        lhs, rhs, dimension_numbers, meta, self.recipe,
-        preferred_element_type=preferred_element_type, amax_axes=tuple(self.amax_axes))
+    out = _chained(self, functools.partial(
+        dot.fp8_dot_general_chained, recipe=self.recipe,
+        preferred_element_type=preferred_element_type, amax_axes=tuple(self.amax_axes)),
+        lhs, rhs, dimension_numbers)
     if out_sharding is not None:
-      out = _constrain(out, out_sharding)
+      out = jax.lax.with_sharding_constraint(out, out_sharding)
     return out
 
 
-def _constrain(x, sharding):
-  import jax
-  return jax.lax.with_sharding_constraint(x, sharding)
+class Fp8EinsumOp(nn.Module):
+  """``einsum(eqn, lhs, rhs)`` as an FP8 GEMM with its own FP8 state (lhs: activations)."""
+
+  recipe: Recipe = Recipe()
+  amax_axes: Sequence[str] = ()
+
+  @nn.compact
+  def __call__(self, eqn: str, lhs, rhs, preferred_element_type=None):
+    return _chained(self, lambda x, k, meta: einsum.fp8_einsum(
+        eqn, x, k, meta, self.recipe, preferred_element_type=preferred_element_type,
+        amax_axes=tuple(self.amax_axes)), lhs, rhs)
+
+
+class Einsum(nn.Einsum):
+  """``nn.Einsum`` whose contraction is an FP8 GEMM (same fields plus `recipe`, `amax_axes`).
+
+  Flax's ``nn.Einsum`` has no ``dot_general_cls`` hook, so this subclass routes its einsum
+  through :class:`Fp8EinsumOp`. `precision` is ignored.
+  """
+
+  recipe: Recipe = Recipe()
+  amax_axes: Sequence[str] = ()
+
+  @nn.compact
+  def __call__(self, inputs, einsum_str: str | None = None):
+    """inputs -> einsum(eqn, inputs, kernel) (+ bias)."""
+    eqn = nn.module.merge_param("einsum_str", self.einsum_str, einsum_str).replace(" ", "")
+    if "->" not in eqn or eqn.count(",") != 1:
+      raise ValueError(f"einsum_str={eqn!r} must be explicit ('->') with exactly two operands")
+    kernel = self.param("kernel", self.kernel_init, self.shape, self.param_dtype)
+    bias = None
+    if self.use_bias:
+      bias_shape, broadcasted_bias_shape = self._get_bias_shape(eqn, inputs, kernel)
+      bias = self.param("bias", self.bias_init, bias_shape, self.param_dtype)
+    inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+    y = Fp8EinsumOp(self.recipe, self.amax_axes, name="fp8")(
+        eqn, inputs, kernel, preferred_element_type=self.preferred_element_type)
+    if bias is not None:
+      y += jnp.reshape(bias, broadcasted_bias_shape)
+    return y
 
 
 def apply_fp8_updates(variables, grads):
   """`variables` with its FP8 collection replaced by the updated state found in `grads`.
 
   `grads` is the gradient of the loss with respect to all of `variables`; params are
-  returned untouched. Raises ValueError when `grads` holds no FP8 state.
+  returned untouched, and so is the state of a GEMM that did not run (zero cotangent).
+  Raises ValueError when `grads` holds no FP8 state.
   """
   if FP8_COLLECTION not in variables:
     return variables
   if FP8_COLLECTION not in grads:
     raise ValueError(f"grads has no '{FP8_COLLECTION}' collection (keys: {sorted(grads)}); "
                      "differentiate the loss with respect to all variables, not only params")
-  return {**variables, FP8_COLLECTION: grads[FP8_COLLECTION]}
+  new = jax.tree.map(scaling.keep_untouched, grads[FP8_COLLECTION], variables[FP8_COLLECTION],
+                     is_leaf=lambda x: isinstance(x, scaling.Fp8Meta))
+  return {**variables, FP8_COLLECTION: new}

@@ -107,6 +107,17 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
   return (q.astype(jnp.float32) * scale).astype(dtype)
 
 
+def keep_untouched(new: Fp8Meta, old: Fp8Meta) -> Fp8Meta:
+  """`new` where it was updated, else `old`.
+
+  An updated scale is always > 0; a GEMM that did not run in the forward gets a zero
+  cotangent (scale 0) for its state, which must never be written back.
+  """
+  touched = new.scale > 0
+  return Fp8Meta(jnp.where(touched, new.scale, old.scale),
+                 jnp.where(touched[..., None], new.amax_history, old.amax_history))
+
+
 def _combine_meta(a: Fp8Meta, b: Fp8Meta) -> Fp8Meta:
   newest_a, newest_b = a.amax_history[..., 0], b.amax_history[..., 0]
   scale = jnp.where(newest_b > newest_a, b.scale,
