@@ -1,7 +1,7 @@
 """Per-tensor error of the MLP block's outputs/gradients vs f32 HIGHEST: Flax FP8, fp8jax
 native, fp8jax forced emulation (same quantized math in f32). Small shape, quick."""
 import functools, sys
-import jax, jax.numpy as jnp, numpy as np, flax.linen as nn
+import jax, jax.numpy as jnp, flax.linen as nn
 from flax.linen import fp8_ops
 import fp8jax, fp8jax.dot as fdot
 from fp8jax.linen import Fp8DotGeneral

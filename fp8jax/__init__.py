@@ -1,13 +1,21 @@
-"""fp8jax: FP8 training of large language models with JAX and Flax."""
+"""fp8jax: FP8 training of large language models with JAX and Flax.
+
+Submodules: ``fp8jax.linen`` (Flax linen layers), ``fp8jax.nnx`` (Flax NNX layers),
+``fp8jax.scaling`` (per-tensor scaling), ``fp8jax.dot`` (the FP8 dot_general).
+"""
 from fp8jax.recipe import E4M3, E5M2, LEVELS, O0, O1, O2, O3, OptLevel, Recipe, opt_level
 from fp8jax.scaling import Fp8Meta, combine_max, dequantize, init_meta, quantize
 from fp8jax.dot import (Fp8DotMeta, fp8_dot_general, fp8_dot_general_chained, init_dot_meta,
                         native_fp8_reason)
+from fp8jax.einsum import einsum_to_dot_general, fp8_einsum
+from fp8jax.accumulate import accumulate_gradients, mean_gradients
+from fp8jax.linen import FP8_COLLECTION, apply_fp8_updates
 
 __version__ = "0.1.0"
 __all__ = [
     "E4M3", "E5M2", "LEVELS", "O0", "O1", "O2", "O3", "OptLevel", "Recipe", "opt_level",
     "Fp8Meta", "combine_max", "dequantize", "init_meta", "quantize",
     "Fp8DotMeta", "fp8_dot_general", "fp8_dot_general_chained", "init_dot_meta",
-    "native_fp8_reason",
+    "native_fp8_reason", "einsum_to_dot_general", "fp8_einsum",
+    "accumulate_gradients", "mean_gradients", "FP8_COLLECTION", "apply_fp8_updates",
 ]

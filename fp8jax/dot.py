@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from fp8jax import scaling
 from fp8jax.recipe import Recipe
@@ -100,9 +101,39 @@ class _Config(NamedTuple):
   amax_axes: tuple[str, ...]
   x_dtype: Any
   w_dtype: Any
+  meta_vma: frozenset = frozenset()  # manual mesh axes the meta varies over (shard_map)
+  x_sharding: Any = None  # explicit-mode shardings for the backward GEMMs' outputs
+  w_sharding: Any = None
 
 
-def _mm(a, b, contract: tuple[int, int], scale, out_dtype, native: bool, fast_accum: bool):
+def _vma(x) -> frozenset:
+  """Manual mesh axes (inside shard_map) that `x` varies over."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)  # jax 0.10+; older releases: aval.vma
+  return frozenset(manual.varying if manual is not None else getattr(aval, "vma", None) or ())
+
+
+def _to_vma(x, vma: frozenset):
+  """`x` marked as varying over `vma` (a no-op outside shard_map)."""
+  missing = tuple(sorted(vma - _vma(x)))
+  return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _explicit_shardings(x, w):
+  """Shardings for the gradients of `x` and `w` when the mesh has Explicit axes (sharding
+  in types: a contraction over a sharded axis then needs its output sharding), else Nones."""
+  explicit = jax.sharding.AxisType.Explicit
+  shardings = [getattr(jax.typeof(a), "sharding", None) for a in (x, w)]
+  meshes = [getattr(s, "mesh", None) for s in shardings]
+  mesh = next((m for m in meshes if m is not None and explicit in tuple(m.axis_types)), None)
+  if mesh is None:
+    return None, None
+  return tuple(jax.sharding.NamedSharding(mesh, s.spec if m == mesh else P())
+               for s, m in zip(shardings, meshes))
+
+
+def _mm(a, b, contract: tuple[int, int], scale, out_dtype, native: bool, fast_accum: bool,
+        out_sharding=None):
   """scale * (a @ b) contracting a's axis contract[0] with b's contract[1]; axis 0 batched
   when both are 3-D.
 
@@ -116,11 +147,13 @@ def _mm(a, b, contract: tuple[int, int], scale, out_dtype, native: bool, fast_ac
   dn = (((contract[0],), (contract[1],)), batch)
   if not native:
     y = lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dn,
-                        precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+                        precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
+                        out_sharding=out_sharding)
     return (y * scale).astype(out_dtype)
   precision = lax.Precision.DEFAULT if fast_accum else lax.Precision.HIGHEST
   gemm_dtype = jnp.float32 if np.dtype(out_dtype) == np.dtype(jnp.float16) else out_dtype
-  y = lax.dot_general(a, b, dn, precision=precision, preferred_element_type=gemm_dtype)
+  y = lax.dot_general(a, b, dn, precision=precision, preferred_element_type=gemm_dtype,
+                      out_sharding=out_sharding)
   return (y * scale.astype(gemm_dtype)).astype(out_dtype)
 
 
@@ -156,9 +189,11 @@ def _fp8_matmul_bwd(cfg: _Config, res, cts):
   m_axis = g.ndim - 2
   # dgrad: g[.., M, N] . w[.., K, N] over N -> [.., M, K]; wgrad: x[.., M, K] . g[.., M, N]
   # over M -> [.., K, N]. Both are E5M2 x E4M3.
-  dx = _mm(qg, qw, (m_axis + 1, m_axis + 1), sg * sw, cfg.x_dtype, cfg.native, False)
-  dw = _mm(qx, qg, (m_axis, m_axis), sx * sg, cfg.w_dtype, cfg.native, False)
+  dx = _mm(qg, qw, (m_axis + 1, m_axis + 1), sg * sw, cfg.x_dtype, cfg.native, False,
+           cfg.x_sharding)
+  dw = _mm(qx, qg, (m_axis, m_axis), sx * sg, cfg.w_dtype, cfg.native, False, cfg.w_sharding)
   new_meta = Fp8DotMeta(new_in, new_k, scaling.update_meta(og_meta, ag, r, r.bwd_format))
+  new_meta = jax.tree.map(lambda a: _to_vma(a, cfg.meta_vma), new_meta)
   return dx, dw, scaling.combine_max(new_meta, meta_ct)
 
 
@@ -175,6 +210,19 @@ def _canonical_dims(lhs_shape, rhs_shape, dimension_numbers):
   b, m, k, n = size(lhs_shape, lb), size(lhs_shape, lf), size(lhs_shape, lc), size(rhs_shape, rf)
   out_shape = tuple(lhs_shape[i] for i in lb + lf) + tuple(rhs_shape[i] for i in rf)
   return lb + lf + lc, rb + rc + rf, (b, m, k, n), bool(lb), out_shape
+
+
+def _agree_on_vma(x, w, amax_axes):
+  """Inside shard_map: checks that amaxes are agreed over every axis the operands vary over
+  (else devices would pick different scales), and marks both operands varying alike."""
+  vma = _vma(x) | _vma(w)
+  missing = sorted(vma - set(amax_axes))
+  if missing:
+    raise ValueError(f"fp8_dot_general inside shard_map: the operands vary over mesh axes "
+                     f"{missing} but amax_axes={tuple(amax_axes)!r}; pass "
+                     f"amax_axes={tuple(sorted(vma | set(amax_axes)))!r} so that every device "
+                     "computes the same FP8 scale")
+  return _to_vma(x, vma), _to_vma(w, vma)
 
 
 def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
@@ -209,8 +257,11 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
   reason = native_fp8_reason() or _gemm_reason(m, k, n, out_dtype)
   if reason:
     log_once(f"fp8jax: FP8 GEMMs emulated (same quantized math in f32): {reason}")
+  x, w = _agree_on_vma(x, w, amax_axes)
+  meta_vma = frozenset().union(*(_vma(a) for a in jax.tree.leaves(meta)))
   cfg = _Config(recipe, np.dtype(out_dtype).type, reason is None, tuple(amax_axes),
-                np.dtype(lhs.dtype).type, np.dtype(rhs.dtype).type)
+                np.dtype(lhs.dtype).type, np.dtype(rhs.dtype).type, meta_vma,
+                *_explicit_shardings(x, w))
   y, meta_out = _fp8_matmul(x, w, meta, cfg)
   return y.reshape(out_shape), meta_out
 
