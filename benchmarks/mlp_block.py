@@ -46,10 +46,10 @@ class MLP(nn.Module):
     return nn.Dense(self.model, **kw)(h)
 
 
-def _mm_f32_out(a, b, contract, scale, out_dtype, native, fast_accum):
+def _mm_f32_out(a, b, contract, scale, out_dtype, native, fast_accum, out_sharding=None):
   """GEMM variant: f32 GEMM output, scaled in f32, then cast (more temp memory)."""
   if not native:
-    return _ORIGINAL_MM(a, b, contract, scale, out_dtype, native, fast_accum)
+    return _ORIGINAL_MM(a, b, contract, scale, out_dtype, native, fast_accum, out_sharding)
   batch = ((0,), (0,)) if a.ndim == 3 else ((), ())
   dn = (((contract[0],), (contract[1],)), batch)
   precision = jax.lax.Precision.DEFAULT if fast_accum else jax.lax.Precision.HIGHEST
@@ -57,9 +57,9 @@ def _mm_f32_out(a, b, contract, scale, out_dtype, native, fast_accum):
   return (y * scale).astype(out_dtype)
 
 
-def _mm_fast_bwd(a, b, contract, scale, out_dtype, native, fast_accum):
+def _mm_fast_bwd(a, b, contract, scale, out_dtype, native, fast_accum, out_sharding=None):
   """GEMM variant: fast (reduced-precision) accumulation in the backward GEMMs too."""
-  return _ORIGINAL_MM(a, b, contract, scale, out_dtype, native, True)
+  return _ORIGINAL_MM(a, b, contract, scale, out_dtype, native, True, out_sharding)
 
 
 VARIANTS = {"fp8jax_f32out": _mm_f32_out, "fp8jax_fastbwd": _mm_fast_bwd}
