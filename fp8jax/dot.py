@@ -140,7 +140,7 @@ def _mm(a, b, contract: tuple[int, int], scale, out_dtype, native: bool, fast_ac
   Native: the FP8 arrays go straight to dot_general. `fast_accum` (Precision.DEFAULT) lets
   cuBLASLt accumulate in the tensor cores' reduced precision, which is fine for forward
   GEMMs; backward GEMMs (long contractions over tokens) ask for HIGHEST, i.e. exact f32
-  accumulation. The GEMM writes bf16/f32 directly and the scale is applied in that dtype
+  accumulation, unless the recipe sets `bwd_fast_accumulation`. The GEMM writes bf16/f32 directly and the scale is applied in that dtype
   (f16 goes through f32: unscaled sums can exceed its range).
   """
   batch = ((0,), (0,)) if a.ndim == 3 else ((), ())
@@ -189,9 +189,10 @@ def _fp8_matmul_bwd(cfg: _Config, res, cts):
   m_axis = g.ndim - 2
   # dgrad: g[.., M, N] . w[.., K, N] over N -> [.., M, K]; wgrad: x[.., M, K] . g[.., M, N]
   # over M -> [.., K, N]. Both are E5M2 x E4M3.
-  dx = _mm(qg, qw, (m_axis + 1, m_axis + 1), sg * sw, cfg.x_dtype, cfg.native, False,
+  fast = r.bwd_fast_accumulation
+  dx = _mm(qg, qw, (m_axis + 1, m_axis + 1), sg * sw, cfg.x_dtype, cfg.native, fast,
            cfg.x_sharding)
-  dw = _mm(qx, qg, (m_axis, m_axis), sx * sg, cfg.w_dtype, cfg.native, False, cfg.w_sharding)
+  dw = _mm(qx, qg, (m_axis, m_axis), sx * sg, cfg.w_dtype, cfg.native, fast, cfg.w_sharding)
   new_meta = Fp8DotMeta(new_in, new_k, scaling.update_meta(og_meta, ag, r, r.bwd_format))
   new_meta = jax.tree.map(lambda a: _to_vma(a, cfg.meta_vma), new_meta)
   return dx, dw, scaling.combine_max(new_meta, meta_ct)

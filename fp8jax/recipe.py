@@ -51,6 +51,10 @@ class Recipe:
       (just-in-time: scale from this tensor's own amax, one extra reduction).
     power_of_two_scales: round every scale up to a power of two (MS-AMP), so that scaling
       is exact in binary floating point.
+    bwd_fast_accumulation: let the backward FP8 GEMMs accumulate in the tensor cores'
+      reduced precision too (forward GEMMs always do). Off by default: input and weight
+      gradients then accumulate in exact f32 (about 6% slower on an MLP block, see
+      benchmarks/RESULTS.md).
   """
 
   fwd_format: Any = E4M3
@@ -60,6 +64,7 @@ class Recipe:
   margin: int = 0
   scaling: str = "delayed"
   power_of_two_scales: bool = False
+  bwd_fast_accumulation: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "fwd_format", _as_fp8_format("fwd_format", self.fwd_format, _FWD_FORMATS))
@@ -75,9 +80,9 @@ class Recipe:
       raise ValueError(f"Recipe.margin={self.margin!r} is not allowed; use a finite number >= 0")
     if self.scaling not in SCALINGS:
       raise ValueError(f"Recipe.scaling={self.scaling!r} is not allowed; use one of {list(SCALINGS)}")
-    if not isinstance(self.power_of_two_scales, (bool, np.bool_)):
-      raise ValueError(f"Recipe.power_of_two_scales={self.power_of_two_scales!r} is not allowed; "
-                       "use True or False")
+    for flag in ("power_of_two_scales", "bwd_fast_accumulation"):
+      if not isinstance(getattr(self, flag), (bool, np.bool_)):
+        raise ValueError(f"Recipe.{flag}={getattr(self, flag)!r} is not allowed; use True or False")
 
   def replace(self, **changes) -> "Recipe":
     """A copy with `changes` applied (validated again)."""

@@ -118,6 +118,33 @@ def test_native_program_feeds_fp8_directly_and_never_e5m2_x_e5m2(key, monkeypatc
   assert (E5M2, E5M2) not in dtypes
 
 
+def _dot_precisions(jaxpr):
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "dot_general":
+      p = eqn.params["precision"]
+      found.append(str(p[0] if isinstance(p, tuple) else p))
+    for p in eqn.params.values():
+      for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          found += _dot_precisions(inner)
+  return found
+
+
+@pytest.mark.parametrize("fast_bwd", [False, True])
+def test_forward_fast_backward_exact_accumulation_unless_asked(key, monkeypatch, fast_bwd):
+  monkeypatch.setattr(fdot, "native_fp8_reason", lambda: None)
+  x, w = jax.random.normal(key, (32, 64)), jax.random.normal(key, (64, 48))
+  dn = (((1,), (0,)), ((), ()))
+  recipe = fp8jax.Recipe(bwd_fast_accumulation=fast_bwd)
+  f = lambda x, w, m: jnp.sum(fp8jax.fp8_dot_general(x, w, dn, m, recipe) ** 2)
+  jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w, fp8jax.init_dot_meta(recipe)).jaxpr
+  precisions = _dot_precisions(jaxpr)
+  assert len(precisions) == 3 and "DEFAULT" in precisions[0]
+  assert all(("DEFAULT" if fast_bwd else "HIGHEST") in p for p in precisions[1:]), precisions
+
+
 def test_emulation_is_logged_once_with_its_reason(key, monkeypatch, caplog):
   monkeypatch.setattr(fdot, "_LOGGED", set())
   monkeypatch.setattr(fdot, "native_fp8_reason", lambda: None)
