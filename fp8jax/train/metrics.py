@@ -1,0 +1,119 @@
+"""Training metrics: MFU against device peaks, device memory, FP8 health, and the writers
+(JSONL and TensorBoard event files, no TensorFlow needed)."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from fp8jax.scaling import Fp8Meta, fp8_max
+
+# Dense peak FLOP/s per device (vendor datasheets, without sparsity): (bf16, fp8).
+# FP8 is None where the chip has no FP8 tensor cores.
+PEAK_FLOPS = {
+    "H200": (989e12, 1979e12),
+    "H100": (989e12, 1979e12),   # SXM; the PCIe part is lower (756 / 1513)
+    "H800": (989e12, 1979e12),
+    "GH200": (989e12, 1979e12),
+    "B200": (2250e12, 4500e12),
+    "L40S": (362e12, 733e12),
+    "L4": (121e12, 242e12),
+    "RTX 4090": (165e12, 330e12),
+    "A100": (312e12, None),
+    "A10": (125e12, None),
+    "V100": (125e12, None),
+}
+
+
+def peak_flops(device_kind: str, fp8: bool) -> float | None:
+  """Peak dense FLOP/s of one device of `device_kind` (FP8 if `fp8` and supported)."""
+  kind = device_kind.upper()
+  if "H100" in kind and "PCIE" in kind:
+    return 1513e12 if fp8 else 756e12
+  for name in sorted(PEAK_FLOPS, key=len, reverse=True):
+    if name in kind:
+      bf16, f8 = PEAK_FLOPS[name]
+      return (f8 or bf16) if fp8 else bf16
+  return None
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, fp8: bool) -> float | None:
+  """Model FLOPs utilisation of all devices (None where the device's peak is unknown)."""
+  peaks = [peak_flops(d.device_kind, fp8) for d in jax.devices()]
+  if any(p is None for p in peaks):
+    return None
+  return flops_per_token * tokens_per_s / sum(peaks)
+
+
+def memory_in_use() -> dict[str, float]:
+  """GiB in use and peak on local device 0 (empty where the backend does not report it)."""
+  stats = jax.local_devices()[0].memory_stats() or {}
+  out = {}
+  for key, name in (("bytes_in_use", "mem_gib"), ("peak_bytes_in_use", "peak_mem_gib")):
+    if key in stats:
+      out[name] = stats[key] / 2**30
+  return out
+
+
+def fp8_health(fp8_state, recipe) -> dict[str, float]:
+  """Per tensor role over all FP8 GEMMs: newest amax (max), scale (min/max) and headroom.
+
+  headroom = log2(fp8_max * scale / amax): 0 means the newest tensor filled the FP8 range
+  exactly (margin included); < 0 means it saturated; large means values sit low in the range.
+  """
+  by_role: dict[str, list] = {}
+
+  def visit(path, meta):
+    role = str(getattr(path[-1], "key", path[-1]))
+    by_role.setdefault(role, []).append(meta)
+
+  jax.tree_util.tree_map_with_path(visit, fp8_state, is_leaf=lambda x: isinstance(x, Fp8Meta))
+  out = {}
+  for role, metas in by_role.items():
+    fmt = recipe.bwd_format if role == "output_grad" else recipe.fwd_format
+    amax = np.concatenate([np.asarray(m.amax_history[..., 0]).ravel() for m in metas])
+    scale = np.concatenate([np.asarray(m.scale).ravel() for m in metas])
+    with np.errstate(divide="ignore", invalid="ignore"):
+      headroom = np.log2(fp8_max(fmt) * scale / amax)
+    finite = headroom[np.isfinite(headroom)]
+    out[f"fp8/{role}/amax_max"] = float(amax.max())
+    out[f"fp8/{role}/scale_min"] = float(scale.min())
+    out[f"fp8/{role}/scale_max"] = float(scale.max())
+    if finite.size:
+      out[f"fp8/{role}/headroom_min_log2"] = float(finite.min())
+  return out
+
+
+class MetricWriter:
+  """Writes scalars to `run_dir/metrics.jsonl` and TensorBoard event files in `run_dir`."""
+
+  def __init__(self, run_dir: str):
+    os.makedirs(run_dir, exist_ok=True)
+    self.run_dir = run_dir
+    self._jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+    try:
+      from tensorboardX import SummaryWriter
+      self._tb = SummaryWriter(run_dir)
+    except ImportError:  # optional: JSONL is always written
+      self._tb = None
+
+  def write(self, step: int, scalars: dict[str, Any]) -> None:
+    clean = {k: float(v) for k, v in scalars.items() if v is not None}
+    self._jsonl.write(json.dumps({"step": int(step), **clean}) + "\n")
+    if self._tb is not None:
+      for k, v in clean.items():
+        self._tb.add_scalar(k, v, int(step))
+
+  def close(self) -> None:
+    self._jsonl.close()
+    if self._tb is not None:
+      self._tb.close()
+
+
+def read_jsonl(path: str) -> list[dict]:
+  """The records of a metrics.jsonl file."""
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,25 @@
+"""The optimizer of a level: clipping, AdamW with warmup + cosine, decay mask."""
+from __future__ import annotations
+
+import jax
+import optax
+
+
+def lr_schedule(peak: float, warmup_steps: int, total_steps: int, min_ratio: float):
+  """Linear warmup from 0 to `peak`, then cosine decay to `peak * min_ratio` at `total_steps`."""
+  warmup = max(0, min(warmup_steps, total_steps - 1))
+  return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(total_steps, warmup + 1),
+                                            end_value=peak * min_ratio)
+
+
+def decay_mask(params):
+  """Weight decay on matrices only (not on norms, biases or other vectors)."""
+  return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def make_optimizer(schedule, *, b1: float, b2: float, eps: float, weight_decay: float,
+                   clip_norm: float) -> optax.GradientTransformation:
+  """Global-norm clipping (`clip_norm` 0 disables) then AdamW with f32 states."""
+  adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+                      mask=decay_mask)
+  return optax.chain(optax.clip_by_global_norm(clip_norm), adamw) if clip_norm > 0 else adamw

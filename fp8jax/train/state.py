@@ -1,0 +1,27 @@
+"""The train state: a plain pytree of everything a step reads and writes."""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+
+from fp8jax.linen import FP8_COLLECTION
+
+
+class TrainState(NamedTuple):
+  """Attributes:
+    step: int32[] optimizer steps taken.
+    params: model parameters (the optimizer's only input besides gradients).
+    fp8: the model's FP8 collection ({} when the model has no FP8 GEMMs); never seen by
+      the optimizer, replaced by its updated value every step.
+    opt_state: optimizer state.
+  """
+
+  step: jax.Array
+  params: Any
+  fp8: Any
+  opt_state: Any
+
+  def variables(self) -> dict:
+    """The Flax variables dict the model is applied with."""
+    return {"params": self.params, **({FP8_COLLECTION: self.fp8} if self.fp8 else {})}

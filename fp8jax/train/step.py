@@ -1,0 +1,73 @@
+"""One training step: microbatch accumulation, clipping and update, FP8 state by max.
+
+The batch is split into `microbatches` equal parts and scanned over; parameter gradients are
+summed then averaged, FP8 state updates combine by max (``fp8jax.accumulate_gradients``), so
+the step's gradient equals the full batch's and its FP8 state reflects the largest amax seen.
+Clipping, weight decay and the learning-rate schedule live in the optax transform `tx`.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from fp8jax.accumulate import accumulate_gradients
+from fp8jax.linen import FP8_COLLECTION, apply_fp8_updates
+from fp8jax.train.state import TrainState
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """Mean next-token loss in f32 nats; logits [B, T, V], targets int [B, T]."""
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+  return jnp.mean(losses)
+
+
+def _loss(apply_fn: Callable, variables, batch):
+  """batch int32[B, T+1] -> mean loss of predicting batch[:, 1:] from batch[:, :-1]."""
+  return cross_entropy(apply_fn(variables, batch[:, :-1]), batch[:, 1:])
+
+
+def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microbatches: int = 1):
+  """A jittable ``step(state, batch) -> (state, metrics)``.
+
+  Args:
+    apply_fn: ``apply_fn(variables, tokens[B, T]) -> logits[B, T, V]``.
+    tx: the optimizer (including clipping); it sees parameters only.
+    microbatches: equal parts the batch is split into (must divide its first dimension).
+  Metrics: loss (mean over the batch), grad_norm (before clipping).
+  """
+  if microbatches < 1:
+    raise ValueError(f"microbatches={microbatches!r} is not allowed; use an integer >= 1")
+
+  def grads(state: TrainState, batch):
+    return jax.value_and_grad(lambda v: _loss(apply_fn, v, batch))(state.variables())
+
+  def step(state: TrainState, batch):
+    if batch.shape[0] % microbatches:
+      raise ValueError(f"batch of {batch.shape[0]} sequences does not split into "
+                       f"{microbatches} microbatches")
+    parts = batch.reshape(microbatches, batch.shape[0] // microbatches, *batch.shape[1:])
+    zeros = jax.tree.map(jnp.zeros_like, state.variables())
+
+    def body(carry, part):
+      loss_sum, acc = carry
+      loss, g = grads(state, part)
+      return (loss_sum + loss, accumulate_gradients(acc, g)), None
+
+    (loss_sum, acc), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), parts)
+    param_grads = jax.tree.map(lambda g: g / microbatches, acc["params"])
+    updates, opt_state = tx.update(param_grads, state.opt_state, state.params)
+    variables = apply_fp8_updates(state.variables(), acc)
+    new_state = TrainState(state.step + 1, optax.apply_updates(state.params, updates),
+                           variables.get(FP8_COLLECTION, {}), opt_state)
+    return new_state, {"loss": loss_sum / microbatches,
+                       "grad_norm": optax.tree.norm(param_grads)}
+
+  return step
+
+
+def make_eval_step(apply_fn: Callable):
+  """A jittable ``eval_step(state, batch) -> mean loss`` (FP8 state is not updated)."""
+  return lambda state, batch: _loss(apply_fn, state.variables(), batch)
