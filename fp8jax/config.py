@@ -1,0 +1,569 @@
+"""Training configuration: YAML files <-> validated, frozen dataclasses.
+
+A config file has up to seven sections (``model``, ``data``, ``train``, ``fp8``, ``parallel``,
+``checkpoint``, ``runtime``); every key has a default, so a file only names what it changes.
+Every value is checked when a section is built: unknown keys (with the closest known key
+suggested), wrong types (a bool is not an int; an int is accepted for a float), out-of-range
+values and impossible combinations raise ``ValueError`` naming the key path, the value and what
+is allowed. Knobs whose feature is not built yet are refused by the :data:`NOT_BUILT_YET` table.
+
+YAML is read with PyYAML's safe loader, extended in two ways: ``1e-4`` is a float (YAML 1.2; the
+1.1 resolver would read a string) and a key given twice in one mapping is an error.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import math
+import os
+import re
+import types
+import typing
+from typing import Any, Callable, Iterable
+
+import yaml
+
+from fp8jax.recipe import OptLevel, Recipe, opt_level
+
+# Features that are not built yet: (key path, values that work now, what the other values need).
+# A value outside the second column is refused. Remove the line when the feature lands.
+NOT_BUILT_YET = (
+    ("train.opt_level", ("O0", "O1"),
+     "the FP8 optimizer with FP16 master weights and FP8/FP16 Adam state, which is not wired "
+     "into the trainer yet"),
+    ("parallel.zero_stage", (0,), "ZeRO sharding"),
+    ("parallel.offload_optimizer", (False,), "ZeRO optimizer offload"),
+    ("parallel.reduce_bucket_size", (None,),
+     "collective-combine thresholds for gradient reduction"),
+    ("parallel.tensor_parallel_size", (1,), "tensor parallelism"),
+    ("parallel.pipeline_parallel_size", (1,), "pipeline parallelism"),
+    ("parallel.device_map", (None,), "heterogeneous device placement"),
+    ("checkpoint.checkpoint_every_n_steps", (0,), "checkpointing"),
+    ("checkpoint.auto_resume", (False,), "checkpointing"),
+    ("runtime.heartbeat_interval", (None,), "the training heartbeat guard"),
+)
+
+BYTE_VOCAB = 256  # text sources are byte-level: tokens 0..255
+
+
+# ----------------------------------------------------------------------------- value rules
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+  """A range/choice check on one value and the words for what it allows."""
+  ok: Callable[[Any], bool]
+  allowed: str
+
+
+def _ge(lo) -> _Rule:
+  return _Rule(lambda v: v >= lo, f"a value >= {lo}")
+
+
+def _gt(lo) -> _Rule:
+  return _Rule(lambda v: v > lo, f"a value > {lo}")
+
+
+def _between(lo, hi, *, hi_open=False, lo_open=False) -> _Rule:
+  """lo <= v <= hi, either end open on request."""
+  def ok(v):
+    return (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+  return _Rule(ok, f"a number in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}")
+
+
+def _one_of(*values) -> _Rule:
+  return _Rule(lambda v: v in values, f"one of {list(values)}")
+
+
+_NAME = _Rule(lambda v: re.fullmatch(r"[A-Za-z0-9._-]+", v) is not None,
+              "a name of letters, digits, '.', '_' or '-'")
+_NONEMPTY = _Rule(lambda v: v.strip() != "", "a non-empty string")
+
+
+def _field(default=dataclasses.MISSING, rule: _Rule | None = None):
+  """A dataclass field carrying its value rule (checked when not None)."""
+  return dataclasses.field(default=default, metadata={"rule": rule})
+
+
+# ----------------------------------------------------------------------------- checking
+
+def _join(path: str, key: Any) -> str:
+  return f"{path}.{key}" if path else str(key)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+  """repr(value), cut to `limit` characters."""
+  text = repr(value)
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _describe(tp) -> str:
+  """Words for one allowed type."""
+  if dataclasses.is_dataclass(tp):
+    return f"a mapping with keys {', '.join(f.name for f in dataclasses.fields(tp))}"
+  return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+          dict: "a mapping", type(None): "null"}[tp]
+
+
+def _options(tp) -> tuple:
+  """The members of a union annotation, or (tp,)."""
+  if typing.get_origin(tp) in (typing.Union, types.UnionType):
+    return typing.get_args(tp)
+  return (tp,)
+
+
+def _coerce(path: str, value: Any, tp) -> tuple[bool, Any]:
+  """(True, value as `tp`) when `value` is acceptable as `tp`, else (False, None)."""
+  if tp is type(None):
+    return value is None, None
+  if tp is float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      return False, None
+    if not math.isfinite(value):
+      raise ValueError(f"{path}={value!r} is not allowed; use a finite number")
+    return True, float(value)
+  if tp is int:
+    return isinstance(value, int) and not isinstance(value, bool), value
+  if dataclasses.is_dataclass(tp):
+    if isinstance(value, tp):
+      return True, value
+    return (True, _from_dict(tp, value)) if isinstance(value, dict) else (False, None)
+  return isinstance(value, tp), value
+
+
+def _check_type(path: str, value: Any, annotation) -> Any:
+  """`value` converted to the annotated type, or a ValueError naming what is allowed."""
+  options = _options(annotation)
+  for tp in options:
+    ok, converted = _coerce(path, value, tp)
+    if ok:
+      return converted
+  expected = " or ".join(_describe(tp) for tp in options)
+  raise ValueError(f"{path}={_short(value)} has type {type(value).__name__}; expected {expected}")
+
+
+@functools.cache
+def _hints(cls) -> dict:
+  return typing.get_type_hints(cls)
+
+
+def _check_fields(obj) -> None:
+  """Type-checks (and converts) every field of `obj`, then applies its value rule."""
+  for f in dataclasses.fields(obj):
+    path = _join(obj._path, f.name)
+    value = _check_type(path, getattr(obj, f.name), _hints(type(obj))[f.name])
+    object.__setattr__(obj, f.name, value)
+    rule = f.metadata.get("rule")
+    if rule is not None and value is not None and not rule.ok(value):
+      raise ValueError(f"{path}={_short(value)} is not allowed; use {rule.allowed}")
+
+
+def _unknown_key(path: str, key: Any, value: Any, known: list[str]) -> ValueError:
+  """The error for a key that `path` does not have, with the closest known key."""
+  close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
+  hint = f"; did you mean {close[0]!r}?" if close else ";"
+  where = path or "the config"
+  return ValueError(f"{_join(path, key)}={_short(value)} is not a known key{hint} "
+                    f"keys of {where}: {', '.join(known)}")
+
+
+def _from_dict(cls, data: Any):
+  """Builds section `cls` from a mapping (None: all defaults), refusing unknown keys."""
+  fields = dataclasses.fields(cls)
+  known = [f.name for f in fields]
+  data = {} if data is None else data
+  if not isinstance(data, dict):
+    raise ValueError(f"{cls._path or 'config'}={_short(data)} is not allowed; "
+                     f"use a mapping with keys {', '.join(known)}")
+  for key, value in data.items():
+    if key not in known:
+      raise _unknown_key(cls._path, key, value, known)
+  required = [f.name for f in fields
+              if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+  for name in required:
+    if name not in data:
+      raise ValueError(f"{_join(cls._path, name)} is missing; {cls._path} needs "
+                       f"{', '.join(required)}")
+  return cls(**data)
+
+
+class _Section:
+  """Validates on construction: field types and rules, then the section's own `_check`."""
+  _path = ""
+
+  def __post_init__(self):
+    _check_fields(self)
+    self._check()
+
+  def _check(self) -> None:
+    """Checks that involve several fields (none by default)."""
+
+
+def _fail(message: str) -> None:
+  raise ValueError(message)
+
+
+# ----------------------------------------------------------------------------- sections
+
+@dataclasses.dataclass(frozen=True)
+class ModelSection(_Section):
+  """Decoder shape; its fields are exactly ``fp8jax.models.gpt.ModelConfig``'s."""
+  _path = "model"
+  vocab_size: int = _field(256, _ge(1))
+  d_model: int = _field(128, _ge(1))
+  n_layers: int = _field(4, _ge(1))
+  n_heads: int = _field(4, _ge(1))
+  d_ff: int = _field(512, _ge(1))
+  max_seq_len: int = _field(128, _ge(1))
+  mlp: str = _field("gelu", _one_of("gelu", "swiglu"))
+  remat: bool = False
+  dtype: str = _field("bfloat16", _one_of("bfloat16", "float32"))
+  param_dtype: str = _field("float32", _one_of("float32", "bfloat16"))
+  tie_embeddings: bool = False
+
+  def _check(self):
+    if self.d_model % self.n_heads:
+      _fail(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
+            f"use a d_model that is a multiple of n_heads")
+    head_dim = self.d_model // self.n_heads
+    if head_dim % 2:
+      _fail(f"model.d_model={self.d_model} / model.n_heads={self.n_heads} gives head dim "
+            f"{head_dim}; RoPE needs an even head dim")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection(_Section):
+  """Token source: "stdlib" (this Python's standard library source), a path or glob of text
+  files (byte-level tokens), or a path to a pre-tokenized uint16 ``.bin`` file."""
+  _path = "data"
+  source: str = _field("stdlib", _NONEMPTY)
+  seq_len: int = _field(128, _ge(1))
+  val_fraction: float = _field(0.05, _between(0, 1, lo_open=True, hi_open=True))
+  max_bytes: int = _field(32 * 2**20, _ge(1))
+  seed: int = _field(0, _ge(0))
+
+  @property
+  def is_text(self) -> bool:
+    """True when tokens are bytes of text (not a pre-tokenized .bin)."""
+    return not self.source.endswith(".bin")
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchRamp(_Section):
+  """Batch-size warm-up in tokens per optimizer step: `start_tokens` at step 0 growing linearly
+  to `end_tokens` at step `ramp_steps` (see :meth:`Config.batch_size_at` for the rounding)."""
+  _path = "train.batch_ramp"
+  start_tokens: int = _field(rule=_ge(1))
+  end_tokens: int = _field(rule=_ge(1))
+  ramp_steps: int = _field(rule=_ge(1))
+
+  def _check(self):
+    if self.start_tokens > self.end_tokens:
+      _fail(f"train.batch_ramp.start_tokens={self.start_tokens} is larger than "
+            f"train.batch_ramp.end_tokens={self.end_tokens}; use start_tokens <= end_tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSection(_Section):
+  """Optimization: level, steps, batch (sequences per optimizer step, split into
+  `microbatches`), AdamW with linear warmup then cosine decay to `min_lr_ratio` x peak."""
+  _path = "train"
+  opt_level: str = _field("O1", _one_of("O0", "O1", "O2", "O3"))
+  steps: int = _field(200, _ge(1))
+  batch_size: int = _field(16, _ge(1))
+  microbatches: int = _field(1, _ge(1))
+  learning_rate: float = _field(1e-4, _gt(0))
+  warmup_steps: int = _field(0, _ge(0))
+  min_lr_ratio: float = _field(0.1, _between(0, 1))
+  weight_decay: float = _field(0.1, _ge(0))
+  b1: float = _field(0.9, _between(0, 1, hi_open=True))
+  b2: float = _field(0.95, _between(0, 1, hi_open=True))
+  eps: float = _field(1e-8, _gt(0))
+  gradient_clipping: float = _field(1.0, _ge(0))  # global-norm bound; 0 disables
+  batch_ramp: BatchRamp | None = None
+  eval_every: int = _field(50, _ge(0))  # 0 disables validation
+  eval_batches: int = _field(8, _ge(1))
+  log_every: int = _field(10, _ge(1))
+  seed: int = _field(0, _ge(0))
+
+  def _check(self):
+    if self.batch_size % self.microbatches:
+      divisors = [d for d in range(1, self.batch_size + 1) if self.batch_size % d == 0]
+      _fail(f"train.microbatches={self.microbatches} does not divide "
+            f"train.batch_size={self.batch_size}; use one of {divisors[:16]}")
+    if self.warmup_steps > self.steps:
+      _fail(f"train.warmup_steps={self.warmup_steps} is larger than train.steps={self.steps}; "
+            f"use warmup_steps <= steps")
+
+  @property
+  def microbatch_size(self) -> int:
+    """Sequences per microbatch (fixed for the whole run, ramp or not)."""
+    return self.batch_size // self.microbatches
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Section(_Section):
+  """FP8 recipe of the GEMMs (levels O1..O3; O0 ignores it). Checked by ``Recipe`` itself."""
+  _path = "fp8"
+  amax_history_len: int = 16
+  amax_compute_algo: str = "max"
+  margin: int = 0
+  scaling: str = "delayed"
+  power_of_two_scales: bool = False
+  bwd_fast_accumulation: bool = False
+
+  def _check(self):
+    try:
+      self.recipe()
+    except ValueError as e:
+      raise ValueError(str(e).replace("Recipe.", "fp8.", 1)) from None
+
+  def recipe(self) -> Recipe:
+    """The ``fp8jax.Recipe`` these settings describe."""
+    return Recipe(**dataclasses.asdict(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelSection(_Section):
+  """Sharding and parallelism (DeepSpeed's names). Only the defaults work now."""
+  _path = "parallel"
+  zero_stage: int = _field(0, _one_of(0, 1, 2, 3))
+  offload_optimizer: bool = False
+  reduce_bucket_size: int | None = _field(None, _ge(1))  # bytes
+  tensor_parallel_size: int = _field(1, _ge(1))
+  pipeline_parallel_size: int = _field(1, _ge(1))
+  device_map: dict | str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSection(_Section):
+  """Checkpointing; `dir` None means ``<run dir>/checkpoints``. Not built yet."""
+  _path = "checkpoint"
+  dir: str | None = _field(None, _NONEMPTY)
+  checkpoint_every_n_steps: int = _field(0, _ge(0))  # 0: no periodic checkpoints
+  keep: int = _field(3, _ge(1))
+  auto_resume: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeSection(_Section):
+  """Where a run writes; `run_dir` may use the placeholder ``{name}``."""
+  _path = "runtime"
+  name: str = _field("run", _NAME)
+  run_dir: str = _field("runs/{name}", _NONEMPTY)
+  heartbeat_interval: float | None = _field(None, _gt(0))  # seconds
+
+  def _check(self):
+    try:
+      self.run_dir.format(name=self.name)
+    except (KeyError, IndexError, ValueError):
+      _fail(f"runtime.run_dir={self.run_dir!r} is not allowed; use a path whose only "
+            f"placeholder is {{name}}")
+
+  @property
+  def run_path(self) -> str:
+    """`run_dir` with ``{name}`` filled in."""
+    return self.run_dir.format(name=self.name)
+
+
+def _section(cls):
+  return dataclasses.field(default_factory=cls)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(_Section):
+  """A whole training config; built from YAML by :func:`load_config`."""
+  _path = ""
+  model: ModelSection = _section(ModelSection)
+  data: DataSection = _section(DataSection)
+  train: TrainSection = _section(TrainSection)
+  fp8: Fp8Section = _section(Fp8Section)
+  parallel: ParallelSection = _section(ParallelSection)
+  checkpoint: CheckpointSection = _section(CheckpointSection)
+  runtime: RuntimeSection = _section(RuntimeSection)
+
+  def _check(self):
+    self._check_data_fits_model()
+    if self.train.batch_ramp is not None:
+      self._check_ramp()
+    _refuse_unbuilt(self)
+
+  def _check_data_fits_model(self):
+    if self.data.seq_len > self.model.max_seq_len:
+      _fail(f"data.seq_len={self.data.seq_len} is larger than "
+            f"model.max_seq_len={self.model.max_seq_len}; use seq_len <= max_seq_len")
+    if self.data.is_text and self.model.vocab_size < BYTE_VOCAB:
+      _fail(f"model.vocab_size={self.model.vocab_size} is too small for byte-level text "
+            f"(data.source={self.data.source!r}); use vocab_size >= {BYTE_VOCAB}")
+
+  def _check_ramp(self):
+    """Ramp rule: the microbatch shape is fixed (train.batch_size / train.microbatches
+    sequences); the ramp changes how many microbatches a step has. So both ends are multiples
+    of the microbatch's tokens, and the ramp ends at the configured batch."""
+    ramp, end = self.train.batch_ramp, self.train.batch_size * self.data.seq_len
+    if ramp.end_tokens != end:
+      _fail(f"train.batch_ramp.end_tokens={ramp.end_tokens} is not allowed; the ramp ends at "
+            f"the configured batch: train.batch_size={self.train.batch_size} x "
+            f"data.seq_len={self.data.seq_len} = {end} tokens")
+    quantum = self._microbatch_tokens
+    if ramp.start_tokens % quantum:
+      _fail(f"train.batch_ramp.start_tokens={ramp.start_tokens} is not a multiple of {quantum} "
+            f"tokens, one microbatch (train.batch_size / train.microbatches = "
+            f"{self.train.microbatch_size} sequences x data.seq_len={self.data.seq_len}); the "
+            f"ramp adds whole microbatches")
+
+  @property
+  def _microbatch_tokens(self) -> int:
+    return self.train.microbatch_size * self.data.seq_len
+
+  def microbatches_at(self, step: int) -> int:
+    """Microbatches in optimizer step `step` (0-based). Without a ramp: train.microbatches.
+    With one: tokens grow linearly from start_tokens (step 0) to end_tokens (step
+    ramp_steps and after), rounded down to whole microbatches."""
+    ramp = self.train.batch_ramp
+    if ramp is None:
+      return self.train.microbatches
+    grown = (ramp.end_tokens - ramp.start_tokens) * min(max(step, 0), ramp.ramp_steps)
+    tokens = ramp.start_tokens + grown // ramp.ramp_steps
+    return tokens // self._microbatch_tokens
+
+  def batch_size_at(self, step: int) -> int:
+    """Sequences in optimizer step `step` (0-based); see :meth:`microbatches_at`."""
+    return self.microbatches_at(step) * self.train.microbatch_size
+
+  def level(self) -> OptLevel:
+    """The ``fp8jax`` opt level of train.opt_level, its recipe taken from the fp8 section."""
+    lvl = opt_level(self.train.opt_level)
+    return lvl if lvl.recipe is None else dataclasses.replace(lvl, recipe=self.fp8.recipe())
+
+
+def _get(cfg: Config, path: str) -> Any:
+  value = cfg
+  for key in path.split("."):
+    value = getattr(value, key)
+  return value
+
+
+def _refuse_unbuilt(cfg: Config) -> None:
+  """Raises for the first knob of NOT_BUILT_YET set to a value that does not work yet."""
+  for path, works_now, needs in NOT_BUILT_YET:
+    value = _get(cfg, path)
+    if not any(value == ok and type(value) is type(ok) for ok in works_now):
+      _fail(f"{path}={_short(value)} is not supported yet (it needs {needs}); remove it or "
+            f"leave the default (works now: {', '.join(map(repr, works_now))})")
+
+
+# ----------------------------------------------------------------------------- YAML
+
+class _Loader(yaml.SafeLoader):
+  """SafeLoader reading ``1e-4`` as a float and refusing duplicate keys."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
+
+
+def _mapping_without_duplicates(loader, node):
+  seen = set()
+  for key_node, _ in node.value:
+    if isinstance(key_node, yaml.ScalarNode):
+      key = loader.construct_object(key_node)
+      if key in seen:
+        raise yaml.constructor.ConstructorError(None, None, f"key {key!r} appears twice",
+                                                key_node.start_mark)
+      seen.add(key)
+  return loader.construct_mapping(node)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+                        _mapping_without_duplicates)
+
+
+def _parse_yaml(text: str, where: str) -> Any:
+  try:
+    return yaml.load(text, Loader=_Loader)
+  except yaml.YAMLError as e:
+    raise ValueError(f"{where}: not valid YAML: {e}") from None
+
+
+def _apply_override(data: dict, item: str) -> None:
+  """Sets ``section.key[.key...]=value`` in `data`; the value is parsed as YAML."""
+  key, sep, text = item.partition("=")
+  parts = key.strip().split(".")
+  if not sep or len(parts) < 2 or not all(parts):
+    raise ValueError(f"override {item!r} is not allowed; use section.key=value, "
+                     f"e.g. train.steps=100")
+  node = data
+  for i, part in enumerate(parts[:-1]):
+    if node.get(part) is None:
+      node[part] = {}
+    if not isinstance(node[part], dict):
+      raise ValueError(f"override {item!r}: {'.'.join(parts[:i + 1])}={_short(node[part])} "
+                       f"is not a mapping")
+    node = node[part]
+  node[parts[-1]] = _parse_yaml(text, f"override {item!r}")
+
+
+# ----------------------------------------------------------------------------- public API
+
+def config_from_dict(data: dict | None) -> Config:
+  """Builds and validates a Config from nested plain data (as read from YAML)."""
+  return _from_dict(Config, data)
+
+
+def config_to_dict(cfg: Config) -> dict:
+  """Nested plain data (dicts, lists, scalars) that `config_from_dict` turns back into `cfg`."""
+  return dataclasses.asdict(cfg)
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> Config:
+  """Reads the YAML file `path` (None: all defaults), applies `overrides` ("section.key=value",
+  the value parsed as YAML) and validates. runtime.name defaults to the file's stem."""
+  data = _read(path) if path is not None else {}
+  for item in overrides:
+    _apply_override(data, item)
+  if path is not None:
+    _default_name(data, os.path.splitext(os.path.basename(path))[0])
+  try:
+    return config_from_dict(data)
+  except ValueError as e:
+    if path is None:
+      raise
+    raise ValueError(f"{os.fspath(path)}: {e}") from None
+
+
+def _default_name(data: dict, name: str) -> None:
+  """Sets runtime.name to `name` unless the data gives one."""
+  if data.get("runtime") is None:
+    data["runtime"] = {}
+  if isinstance(data["runtime"], dict):
+    data["runtime"].setdefault("name", name)
+
+
+def _read(path) -> dict:
+  with open(path, encoding="utf-8") as f:
+    data = _parse_yaml(f.read(), os.fspath(path))
+  if data is None:
+    return {}
+  if not isinstance(data, dict):
+    raise ValueError(f"{os.fspath(path)}: the top level is {_short(data)}; use a mapping of "
+                     f"sections ({', '.join(f.name for f in dataclasses.fields(Config))})")
+  return data
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> None:
+  """Writes every field of `cfg` as YAML; `load_config(path)` gives `cfg` back."""
+  parent = os.path.dirname(os.fspath(path))
+  if parent:
+    os.makedirs(parent, exist_ok=True)
+  with open(path, "w", encoding="utf-8") as f:
+    yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False, default_flow_style=False)
+
+
+__all__ = [
+    "BatchRamp", "CheckpointSection", "Config", "DataSection", "Fp8Section", "ModelSection",
+    "NOT_BUILT_YET", "ParallelSection", "RuntimeSection", "TrainSection", "config_from_dict",
+    "config_to_dict", "load_config", "save_config",
+]
