@@ -1,5 +1,7 @@
 """The ``fp8jax`` command.
 
+``fp8jax train --config configs/tiny.yaml [--set train.steps=50]``: trains the reference
+decoder; ``fp8jax plot RUN_DIR...``: overlays runs' loss curves and FP8 scales in a PNG.
 ``fp8jax check``: lists the devices, says whether FP8 GEMMs run natively or emulated (and
 why), and compares one Dense layer's forward+backward in FP8 against BF16: relative error of
 output, input gradient and weight gradient vs a float64 reference, and time per step.
@@ -103,6 +105,20 @@ def cmd_check(args) -> int:
   return 0
 
 
+def cmd_train(args) -> int:
+  from fp8jax.config import load_config
+  from fp8jax.train.loop import Trainer
+  config = load_config(args.config, args.set)
+  Trainer(config, progress=not args.no_progress).run()
+  return 0
+
+
+def cmd_plot(args) -> int:
+  from fp8jax.plot import plot_runs
+  print(plot_runs(args.run_dirs, args.output))
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="fp8jax", description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest="command", required=True)
@@ -111,6 +127,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="Dense layer shape (default: 8192^3 on GPU, 512x1024x1024 on CPU)")
   check.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
   check.set_defaults(func=cmd_check)
+  train = sub.add_parser("train", help="train the reference decoder LM from a YAML config")
+  train.add_argument("--config", default=None,
+                     help="YAML config (default: the built-in defaults, i.e. configs/tiny.yaml's "
+                          "shape on the stdlib corpus)")
+  train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                     help="override one config value (repeatable)")
+  train.add_argument("--no-progress", action="store_true", help="no progress bar")
+  train.set_defaults(func=cmd_train)
+  plot = sub.add_parser("plot", help="loss curves and FP8 scales of runs, overlaid, to PNG")
+  plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+  plot.add_argument("-o", "--output", default="runs.png", help="PNG path (default: runs.png)")
+  plot.set_defaults(func=cmd_plot)
   return parser
 
 

@@ -42,6 +42,7 @@ NOT_BUILT_YET = (
     ("checkpoint.checkpoint_every_n_steps", (0,), "checkpointing"),
     ("checkpoint.auto_resume", (False,), "checkpointing"),
     ("runtime.heartbeat_interval", (None,), "the training heartbeat guard"),
+    ("model.dropout_rate", (0.0, 0), "dropout RNG plumbing in the train step"),
 )
 
 BYTE_VOCAB = 256  # text sources are byte-level: tokens 0..255
@@ -216,10 +217,14 @@ class ModelSection(_Section):
   d_ff: int = _field(512, _ge(1))
   max_seq_len: int = _field(128, _ge(1))
   mlp: str = _field("gelu", _one_of("gelu", "swiglu"))
+  norm: str = _field("rmsnorm", _one_of("rmsnorm", "layernorm"))
   remat: bool = False
   dtype: str = _field("bfloat16", _one_of("bfloat16", "float32"))
   param_dtype: str = _field("float32", _one_of("float32", "bfloat16"))
   tie_embeddings: bool = False
+  rope_base: float = _field(10000.0, _ge(1))
+  dropout_rate: float = _field(0.0, _between(0, 1, hi_open=True))
+  attention_impl: str = _field("xla", _one_of("xla", "cudnn"))
 
   def _check(self):
     if self.d_model % self.n_heads:

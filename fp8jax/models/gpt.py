@@ -1,0 +1,313 @@
+"""A GPT-style decoder LM written only against fp8jax's public API.
+
+Pre-norm blocks (RMSNorm or LayerNorm, computed in f32), rotary position embeddings, causal
+multi-head attention (scores and softmax in f32) and a GELU or SwiGLU MLP. Every projection
+(fused qkv, attention output, MLP in/gate/out, the LM head unless tied) is an ``nn.Dense`` /
+``nn.DenseGeneral`` whose GEMM is :class:`fp8jax.linen.Fp8DotGeneral` when a recipe is given;
+embeddings, norms, softmax and the activation x activation attention matmuls stay in the
+compute dtype (BF16) / f32, as MS-AMP does. Layers run under ``nn.scan`` (parameters and FP8
+state stacked on a leading layer axis) and optionally ``nn.remat``.
+
+Shapes: B batch, T sequence, D d_model, H heads, K head dim (D / H), F d_ff, V vocab.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from fp8jax import FP8_COLLECTION, Recipe
+from fp8jax.linen import Fp8DotGeneral
+
+MLPS = ("gelu", "swiglu")
+NORMS = ("rmsnorm", "layernorm")
+DTYPES = ("bfloat16", "float32", "float16")
+PARAM_DTYPES = ("float32", "bfloat16")
+ATTENTION_IMPLS = ("xla", "cudnn")
+_POSITIVE = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shape and numerics of a :class:`GPT`.
+
+  Attributes:
+    vocab_size: number of token ids (256: bytes).
+    d_model, n_layers, n_heads, d_ff: widths and depth; d_model % n_heads == 0 and the head
+      dim d_model / n_heads must be even (RoPE rotates pairs).
+    max_seq_len: longest sequence accepted.
+    mlp: "gelu" (F-wide hidden) or "swiglu" (F-wide gate and up projections).
+    norm: "rmsnorm" or "layernorm" (both computed in f32).
+    remat: recompute each layer's activations in the backward pass (``nn.remat``).
+    dtype: compute dtype name of activations and BF16 GEMMs ("bfloat16", "float32", ...).
+    param_dtype: storage dtype name of parameters.
+    tie_embeddings: the LM head reuses the embedding matrix (then it is a BF16 GEMM).
+    rope_base: RoPE frequency base.
+    dropout_rate: dropout on embeddings and residual branches (training only).
+    attention_impl: ``jax.nn.dot_product_attention`` implementation, "xla" or "cudnn".
+  """
+
+  vocab_size: int = 256
+  d_model: int = 256
+  n_layers: int = 4
+  n_heads: int = 4
+  d_ff: int = 1024
+  max_seq_len: int = 256
+  mlp: str = "gelu"
+  norm: str = "rmsnorm"
+  remat: bool = False
+  dtype: str = "bfloat16"
+  param_dtype: str = "float32"
+  tie_embeddings: bool = False
+  rope_base: float = 10000.0
+  dropout_rate: float = 0.0
+  attention_impl: str = "xla"
+
+  def __post_init__(self):
+    for name in _POSITIVE:
+      _check_int(name, getattr(self, name))
+    if self.d_model % self.n_heads:
+      raise ValueError(f"ModelConfig.d_model={self.d_model} is not divisible by "
+                       f"n_heads={self.n_heads}; use a d_model that is a multiple of n_heads")
+    if (self.d_model // self.n_heads) % 2:
+      raise ValueError(f"ModelConfig head dim d_model/n_heads={self.d_model // self.n_heads} is "
+                       "odd; RoPE needs an even head dim")
+    for name, allowed in (("mlp", MLPS), ("norm", NORMS), ("dtype", DTYPES),
+                          ("param_dtype", PARAM_DTYPES), ("attention_impl", ATTENTION_IMPLS)):
+      _check_choice(name, getattr(self, name), allowed)
+    for name in ("remat", "tie_embeddings"):
+      if not isinstance(getattr(self, name), (bool, np.bool_)):
+        raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not allowed; "
+                         "use True or False")
+    _check_float("rope_base", self.rope_base, lambda v: v > 1, "a number > 1")
+    _check_float("dropout_rate", self.dropout_rate, lambda v: 0 <= v < 1, "a number in [0, 1)")
+
+  @property
+  def head_dim(self) -> int:
+    """K = d_model // n_heads."""
+    return self.d_model // self.n_heads
+
+  def replace(self, **changes) -> "ModelConfig":
+    """A copy with `changes` applied (validated again)."""
+    return dataclasses.replace(self, **changes)
+
+
+def _check_int(name: str, value: Any) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+    raise ValueError(f"ModelConfig.{name}={value!r} is not allowed; use an integer >= 1")
+
+
+def _check_choice(name: str, value: Any, allowed: tuple) -> None:
+  if value not in allowed:
+    raise ValueError(f"ModelConfig.{name}={value!r} is not allowed; use one of {list(allowed)}")
+
+
+def _check_float(name: str, value: Any, ok, allowed: str) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+      or not np.isfinite(value) or not ok(value):
+    raise ValueError(f"ModelConfig.{name}={value!r} is not allowed; use {allowed}")
+
+
+def _dense_kwargs(config: ModelConfig, recipe: Recipe | None, std: float) -> dict:
+  """Common nn.Dense/DenseGeneral arguments: dtypes, init N(0, std), the FP8 GEMM."""
+  kw = dict(use_bias=False, dtype=jnp.dtype(config.dtype),
+            param_dtype=jnp.dtype(config.param_dtype),
+            kernel_init=nn.initializers.normal(std))
+  if recipe is not None:
+    kw["dot_general_cls"] = functools.partial(Fp8DotGeneral, recipe=recipe)
+  return kw
+
+
+def _f32_out_gemm(recipe: Recipe | None):
+  """dot_general_cls whose GEMM (FP8 when `recipe` is given, else BF16) writes f32."""
+  if recipe is None:
+    return lambda: functools.partial(lax.dot_general, preferred_element_type=jnp.float32)
+  return lambda: functools.partial(Fp8DotGeneral(recipe=recipe),
+                                   preferred_element_type=jnp.float32)
+
+
+def _norm(config: ModelConfig, name: str):
+  """RMSNorm / LayerNorm computed in f32: x[..., D] -> [..., D] in the compute dtype."""
+  cls = nn.RMSNorm if config.norm == "rmsnorm" else nn.LayerNorm
+  norm = cls(epsilon=1e-6, dtype=jnp.float32, param_dtype=jnp.dtype(config.param_dtype),
+             name=name)
+  return lambda x: norm(x.astype(jnp.float32)).astype(jnp.dtype(config.dtype))
+
+
+def rope_tables(seq_len: int, head_dim: int, base: float):
+  """(cos, sin), each f32[T, K/2], for positions 0..T-1."""
+  inv_freq = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  angles = np.arange(seq_len, dtype=np.float64)[:, None] * inv_freq[None, :]
+  return jnp.asarray(np.cos(angles), jnp.float32), jnp.asarray(np.sin(angles), jnp.float32)
+
+
+def apply_rope(x, cos, sin):
+  """Rotates pairs (first half, second half) of x[B, T, H, K] by position; same dtype."""
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  c, s = cos[None, :, None, :], sin[None, :, None, :]
+  return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+class Attention(nn.Module):
+  """Causal self-attention: x[B, T, D] -> [B, T, D]; projections through the FP8 GEMM."""
+
+  config: ModelConfig
+  recipe: Recipe | None
+
+  @nn.compact
+  def __call__(self, x, cos, sin):
+    cfg = self.config
+    std = cfg.d_model ** -0.5
+    qkv = nn.DenseGeneral((3, cfg.n_heads, cfg.head_dim), name="qkv",
+                          **_dense_kwargs(cfg, self.recipe, std))(x)  # [B, T, 3, H, K]
+    q, k, v = (qkv[:, :, i] for i in range(3))
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    # Scores and softmax in f32 (activation x activation: no FP8), output in the compute dtype.
+    o = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                     implementation=cfg.attention_impl)
+    out_std = std / np.sqrt(2 * cfg.n_layers)
+    return nn.DenseGeneral(cfg.d_model, axis=(-2, -1), name="out",
+                           **_dense_kwargs(cfg, self.recipe, out_std))(o)
+
+
+class MLP(nn.Module):
+  """GELU or SwiGLU MLP: x[B, T, D] -> [B, T, D]; projections through the FP8 GEMM."""
+
+  config: ModelConfig
+  recipe: Recipe | None
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.config
+    std = cfg.d_model ** -0.5
+    if cfg.mlp == "gelu":
+      h = nn.gelu(nn.Dense(cfg.d_ff, name="fc_in", **_dense_kwargs(cfg, self.recipe, std))(x))
+    else:  # gate and up projections fused into one GEMM: [B, T, 2, F]
+      gu = nn.DenseGeneral((2, cfg.d_ff), name="fc_gate_in",
+                           **_dense_kwargs(cfg, self.recipe, std))(x)
+      h = nn.silu(gu[..., 0, :]) * gu[..., 1, :]
+    out_std = cfg.d_ff ** -0.5 / np.sqrt(2 * cfg.n_layers)
+    return nn.Dense(cfg.d_model, name="fc_out", **_dense_kwargs(cfg, self.recipe, out_std))(h)
+
+
+class Block(nn.Module):
+  """One pre-norm decoder layer, in scan form: (x[B, T, D], (cos, sin)) -> (x, None)."""
+
+  config: ModelConfig
+  recipe: Recipe | None
+  deterministic: bool = True
+
+  @nn.compact
+  def __call__(self, x, rope):
+    cfg = self.config
+    drop = nn.Dropout(cfg.dropout_rate, deterministic=self.deterministic)
+    h = Attention(cfg, self.recipe, name="attn")(_norm(cfg, "norm_attn")(x), *rope)
+    x = x + drop(h)
+    h = MLP(cfg, self.recipe, name="mlp")(_norm(cfg, "norm_mlp")(x))
+    return x + drop(h), None
+
+
+class GPT(nn.Module):
+  """Decoder LM: tokens int[B, T] -> logits f32[B, T, V].
+
+  Attributes:
+    config: the model's :class:`ModelConfig`.
+    recipe: FP8 recipe of every projection; None runs BF16 GEMMs (level O0).
+  """
+
+  config: ModelConfig
+  recipe: Recipe | None = None
+
+  @nn.compact
+  def __call__(self, tokens, deterministic: bool = True):
+    cfg = self.config
+    _check_tokens(tokens, cfg)
+    dtype = jnp.dtype(cfg.dtype)
+    embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype,
+                     param_dtype=jnp.dtype(cfg.param_dtype),
+                     embedding_init=nn.initializers.normal(0.02), name="embed")
+    x = nn.Dropout(cfg.dropout_rate, deterministic=deterministic)(embed(tokens))
+    rope = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_base)
+    x, _ = self._layers(deterministic)(x, rope)
+    x = _norm(cfg, "norm_final")(x)
+    if cfg.tie_embeddings:
+      return embed.attend(x).astype(jnp.float32)
+    return self._head(x)
+
+  def _layers(self, deterministic: bool) -> nn.Module:
+    """The n_layers blocks under nn.scan (and nn.remat when configured)."""
+    block = nn.remat(Block, prevent_cse=False) if self.config.remat else Block
+    scanned = nn.scan(block, variable_axes={"params": 0, FP8_COLLECTION: 0},
+                      split_rngs={"params": True, "dropout": True},
+                      in_axes=nn.broadcast, length=self.config.n_layers)
+    return scanned(self.config, self.recipe, deterministic, name="layers")
+
+  def _head(self, x):
+    """LM head x[B, T, D] -> f32[B, T, V] (the GEMM writes f32 directly)."""
+    cfg = self.config
+    kw = _dense_kwargs(cfg, None, cfg.d_model ** -0.5)
+    kw["dot_general_cls"] = _f32_out_gemm(self.recipe)
+    return nn.Dense(cfg.vocab_size, name="head", **kw)(x).astype(jnp.float32)
+
+
+def _check_tokens(tokens, cfg: ModelConfig) -> None:
+  """Raises ValueError for tokens that are not int[B, T] with 1 <= T <= max_seq_len."""
+  if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"GPT: tokens must be an integer array [batch, seq_len], got "
+                     f"{tokens.dtype}{list(tokens.shape)}")
+  if not 1 <= tokens.shape[1] <= cfg.max_seq_len:
+    raise ValueError(f"GPT: seq_len={tokens.shape[1]} is not allowed; use 1.."
+                     f"{cfg.max_seq_len} (ModelConfig.max_seq_len)")
+
+
+def next_token_loss(logits, targets):
+  """Mean cross entropy (nats/token) of logits f32[B, T, V] against int targets[B, T]."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return -jnp.mean(jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1))
+
+
+def param_count(params) -> int:
+  """Number of parameter scalars in `params` (pass ``variables["params"]``)."""
+  return int(sum(np.prod(np.shape(a), dtype=np.int64) for a in jax.tree.leaves(params)))
+
+
+def matmul_param_count(config: ModelConfig) -> int:
+  """Weights that take part in a GEMM per token: all projections and the LM head
+  (also when tied); not the embedding lookup, norms."""
+  d, f = config.d_model, config.d_ff
+  mlp = (3 if config.mlp == "swiglu" else 2) * d * f
+  return config.n_layers * (4 * d * d + mlp) + d * config.vocab_size
+
+
+def flops_per_token(config: ModelConfig, seq_len: int) -> float:
+  """Training FLOPs per token (forward + backward, no recomputation), for MFU.
+
+  ``6 * N + 12 * n_layers * d_model * seq_len`` with N = :func:`matmul_param_count`; the
+  attention term counts QK^T and AV over the full T x T square (PaLM's convention, no causal
+  halving).
+  """
+  if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+    raise ValueError(f"flops_per_token: seq_len={seq_len!r} is not allowed; use an integer >= 1")
+  return float(6 * matmul_param_count(config) + 12 * config.n_layers * config.d_model * seq_len)
+
+
+def init_model(config: ModelConfig, recipe: Recipe | None, key, batch_size: int,
+               seq_len: int) -> dict:
+  """Variables of ``GPT(config, recipe)`` for int32[batch_size, seq_len] inputs:
+  ``{"params": ...}`` plus ``{FP8_COLLECTION: ...}`` when `recipe` is given. Jitted and
+  cached per (config, recipe, shape)."""
+  for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+      raise ValueError(f"init_model: {name}={value!r} is not allowed; use an integer >= 1")
+  return _init(config, recipe, key, int(batch_size), int(seq_len))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 3, 4))
+def _init(config, recipe, key, batch_size, seq_len):
+  return GPT(config, recipe).init(key, jnp.zeros((batch_size, seq_len), jnp.int32))

@@ -1,0 +1,49 @@
+"""Loss curves and FP8 health of one or more runs, overlaid, as a PNG (`fp8jax plot`)."""
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from fp8jax.train.metrics import read_jsonl
+
+ROLES = ("input", "kernel", "output_grad")
+
+
+def _series(records: list[dict], key: str) -> tuple[list, list]:
+  pts = [(r["step"], r[key]) for r in records if key in r]
+  return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_runs(run_dirs: Sequence[str], out_path: str) -> str:
+  """Draws train/val loss and per-role FP8 scales of `run_dirs` into `out_path` (PNG)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  runs = {}
+  for d in run_dirs:
+    path = os.path.join(d, "metrics.jsonl")
+    if not os.path.exists(path):
+      raise FileNotFoundError(f"{d!r} has no metrics.jsonl; pass run directories written by "
+                              "`fp8jax train`")
+    runs[os.path.basename(os.path.normpath(d))] = read_jsonl(path)
+  fig, (ax_loss, ax_fp8) = plt.subplots(1, 2, figsize=(12, 4.5))
+  for name, records in runs.items():
+    line, = ax_loss.plot(*_series(records, "loss"), label=f"{name} train")
+    ax_loss.plot(*_series(records, "val_loss"), "--", color=line.get_color(),
+                 label=f"{name} val")
+    for role, style in zip(ROLES, ("-", ":", "-.")):
+      steps, values = _series(records, f"fp8/{role}/scale_max")
+      if steps:
+        ax_fp8.semilogy(steps, values, style, color=line.get_color(), label=f"{name} {role}")
+  ax_loss.set(xlabel="step", ylabel="loss (nats/token)", title="loss")
+  ax_fp8.set(xlabel="step", ylabel="largest scale (amax / fp8 max)", title="FP8 scales")
+  ax_loss.legend(fontsize=8)
+  if ax_fp8.lines:
+    ax_fp8.legend(fontsize=7)
+  else:
+    ax_fp8.text(0.5, 0.5, "no FP8 state (O0 runs)", ha="center", transform=ax_fp8.transAxes)
+  fig.tight_layout()
+  fig.savefig(out_path, dpi=110)
+  plt.close(fig)
+  return out_path

@@ -1,0 +1,152 @@
+"""The Trainer: config -> model, data, optimizer -> steps with validation, logs and progress."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fp8jax import data as data_lib
+from fp8jax.config import Config, save_config
+from fp8jax.dot import native_fp8_reason
+from fp8jax.linen import FP8_COLLECTION
+from fp8jax.models.gpt import GPT, ModelConfig, flops_per_token, param_count
+from fp8jax.train import metrics as metrics_lib
+from fp8jax.train.optimizer import lr_schedule, make_optimizer
+from fp8jax.train.state import TrainState
+from fp8jax.train.step import make_eval_step, make_train_step
+
+logger = logging.getLogger("fp8jax")
+
+
+class Trainer:
+  """Trains the reference decoder as `config` says (levels O0/O1 until the FP8 optimizer and
+  ZeRO land; config.py refuses the rest)."""
+
+  def __init__(self, config: Config, progress: bool = True):
+    self.config, self.progress = config, progress
+    self.level = config.level()
+    self.model_config = ModelConfig(**dataclasses.asdict(config.model))
+    self.model = GPT(self.model_config, self.level.recipe)
+    d = config.data
+    self.data = data_lib.load_data(None if d.source == "stdlib" else d.source,
+                                   val_fraction=d.val_fraction, max_bytes=d.max_bytes,
+                                   vocab_size=config.model.vocab_size)
+    t = config.train
+    self.train_batches = self.data.batches("train", t.microbatch_size, d.seq_len, seed=d.seed)
+    self.schedule = lr_schedule(t.learning_rate, t.warmup_steps, t.steps, t.min_lr_ratio)
+    self.tx = make_optimizer(self.schedule, b1=t.b1, b2=t.b2, eps=t.eps,
+                             weight_decay=t.weight_decay, clip_norm=t.gradient_clipping)
+    self.state = self._init_state()
+    self._steps: dict[int, Any] = {}
+    self._eval = jax.jit(make_eval_step(self.model.apply))
+    self.run_dir = config.runtime.run_path
+    self.flops_per_token = flops_per_token(self.model_config, d.seq_len)
+    self.fp8_peak = self.level.fp8_gemms and native_fp8_reason() is None
+
+  def _init_state(self) -> TrainState:
+    t, d = self.config.train, self.config.data
+    tokens = jnp.zeros((t.microbatch_size, d.seq_len), jnp.int32)
+    variables = self.model.init(jax.random.key(t.seed), tokens)
+    params = variables["params"]
+    return TrainState(jnp.zeros((), jnp.int32), params, variables.get(FP8_COLLECTION, {}),
+                      self.tx.init(params))
+
+  def _step_fn(self, microbatches: int):
+    """The jitted train step for `microbatches` microbatches (one compile per count)."""
+    if microbatches not in self._steps:
+      self._steps[microbatches] = jax.jit(
+          make_train_step(self.model.apply, self.tx, microbatches), donate_argnums=0)
+    return self._steps[microbatches]
+
+  def _next_batch(self, step: int) -> np.ndarray:
+    """int32[microbatches * microbatch_size, T+1] for optimizer step `step`."""
+    n = self.config.microbatches_at(step)
+    return np.concatenate([self.train_batches.next() for _ in range(n)])
+
+  def evaluate(self) -> float:
+    """Mean validation loss over `eval_batches` fixed batches (the same ones every time)."""
+    t, d = self.config.train, self.config.data
+    val = self.data.batches("val", t.microbatch_size, d.seq_len, seed=d.seed)
+    losses = [float(self._eval(self.state, val.next())) for _ in range(t.eval_batches)]
+    return float(np.mean(losses))
+
+  def _log_window(self, step, losses, tokens, seconds, grad_norm) -> dict:
+    tokens_per_s = tokens / max(seconds, 1e-9)
+    out = {"loss": float(np.mean(losses)), "grad_norm": grad_norm,
+           "lr": float(self.schedule(step)), "tokens_per_s": tokens_per_s,
+           "mfu": metrics_lib.mfu(self.flops_per_token, tokens_per_s, self.fp8_peak),
+           **metrics_lib.memory_in_use()}
+    if self.state.fp8:
+      out.update(metrics_lib.fp8_health(self.state.fp8, self.level.recipe))
+    return out
+
+  def run(self) -> dict:
+    """Trains for config.train.steps steps; returns the final metrics."""
+    cfg, t = self.config, self.config.train
+    os.makedirs(self.run_dir, exist_ok=True)
+    save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
+    writer = metrics_lib.MetricWriter(self.run_dir)
+    print(f"fp8jax train: level {self.level.name}, "
+          f"{param_count(self.state.params) / 1e6:.2f}M params, {t.steps} steps, "
+          f"data: {self.data.description}; logs: {os.path.abspath(self.run_dir)}")
+    final: dict[str, Any] = {}
+    losses, tokens, t0 = [], 0, time.perf_counter()
+    with _progress(t.steps, self.progress) as advance:
+      for step in range(t.steps):
+        batch = self._next_batch(step)
+        self.state, m = self._step_fn(self.config.microbatches_at(step))(self.state, batch)
+        losses.append(m["loss"])
+        tokens += batch.shape[0] * (batch.shape[1] - 1)
+        last = step + 1 == t.steps
+        if (step + 1) % t.log_every == 0 or last:
+          losses = [float(x) for x in losses]  # waits for the device
+          window = self._log_window(step, losses, tokens, time.perf_counter() - t0,
+                                    float(m["grad_norm"]))
+          writer.write(step + 1, window)
+          final.update(window)
+          advance(0, window)
+          losses, tokens, t0 = [], 0, time.perf_counter()
+        if (t.eval_every and (step + 1) % t.eval_every == 0) or last:
+          final["val_loss"] = self.evaluate()
+          writer.write(step + 1, {"val_loss": final["val_loss"]})
+          t0 = time.perf_counter()  # evaluation is not training time
+        advance(1, None)
+    writer.close()
+    print(f"done: loss {final['loss']:.4f}, val_loss {final['val_loss']:.4f}; "
+          f"TensorBoard/JSONL logs in {os.path.abspath(self.run_dir)}")
+    return final
+
+
+class _progress:
+  """A rich progress bar showing loss and tokens/s (a no-op when disabled)."""
+
+  def __init__(self, total: int, enabled: bool):
+    self.total, self.enabled, self.bar = total, enabled, None
+
+  def __enter__(self):
+    if self.enabled:
+      from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                 TimeRemainingColumn)
+      self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                          TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
+      self.bar.__enter__()
+      self.task = self.bar.add_task("train", total=self.total, info="")
+    return self.advance
+
+  def advance(self, n: int, window: dict | None) -> None:
+    if self.bar is None:
+      return
+    info = None
+    if window is not None:
+      info = f"loss {window['loss']:.4f}  {window['tokens_per_s']:,.0f} tok/s"
+    self.bar.update(self.task, advance=n, **({"info": info} if info else {}))
+
+  def __exit__(self, *exc):
+    if self.bar is not None:
+      self.bar.__exit__(*exc)
