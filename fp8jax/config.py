@@ -310,6 +310,8 @@ class TrainSection(_Section):
 class Fp8Section(_Section):
   """FP8 recipe of the GEMMs (levels O1..O3; O0 ignores it). Checked by ``Recipe`` itself."""
   _path = "fp8"
+  fwd_format: str = "e4m3"
+  bwd_format: str = "e5m2"
   amax_history_len: int = 16
   amax_compute_algo: str = "max"
   margin: int = 0

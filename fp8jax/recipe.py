@@ -25,14 +25,16 @@ SCALINGS = ("delayed", "current")
 
 def _as_fp8_format(field: str, value: Any, allowed: tuple) -> Any:
   """Resolves "e4m3"/"e5m2" or a dtype to a jnp FP8 dtype; raises naming `field`."""
-  allowed_names = [np.dtype(d).name for d in allowed]
+  short = {np.dtype(v): k for k, v in _FORMAT_NAMES.items()}
+  allowed_names = [f"{short[np.dtype(d)]!r} ({np.dtype(d).name})" for d in allowed]
   dtype = _FORMAT_NAMES.get(value, value) if isinstance(value, str) else value
   try:
     dtype = np.dtype(dtype)
   except TypeError:
     dtype = None
   if dtype is None or dtype not in [np.dtype(d) for d in allowed]:
-    raise ValueError(f"Recipe.{field}={value!r} is not allowed; use one of {allowed_names}")
+    raise ValueError(f"Recipe.{field}={value!r} is not allowed; use one of "
+                     f"{', '.join(allowed_names)}")
   return dtype.type
 
 

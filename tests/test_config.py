@@ -6,7 +6,8 @@ import os
 import pytest
 
 from fp8jax import Recipe
-from fp8jax.config import (NOT_BUILT_YET, BatchRamp, Config, ModelSection, config_from_dict,
+from fp8jax.config import (NOT_BUILT_YET, BatchRamp, Config, Fp8Section, ModelSection,
+                           config_from_dict,
                            config_to_dict, load_config, save_config)
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
@@ -59,6 +60,11 @@ def test_defaults():
   assert (t.b1, t.b2, t.eps, t.microbatches, t.batch_ramp) == (0.9, 0.95, 1e-8, 1, None)
   assert (cfg.data.val_fraction, cfg.data.max_bytes) == (0.05, 32 * 2**20)
   assert cfg.fp8.recipe() == Recipe()
+
+
+def test_fp8_section_mirrors_every_recipe_field():
+  assert [f.name for f in dataclasses.fields(Fp8Section)] == \
+      [f.name for f in dataclasses.fields(Recipe)]
 
 
 def test_model_section_matches_model_config_fields():

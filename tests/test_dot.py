@@ -93,18 +93,27 @@ def test_chained_calls_combine_state_by_max_not_sum(key):
   assert float(new.kernel.amax_history[0]) == float(jnp.max(jnp.abs(w)))  # not 2x
 
 
-def _dot_operand_dtypes(jaxpr):
-  """(lhs dtype, rhs dtype) of every dot_general in `jaxpr` and its sub-jaxprs."""
-  found = []
+def _dot_eqns(jaxpr):
+  """Every dot_general equation in `jaxpr` and its sub-jaxprs, in program order."""
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "dot_general":
-      found.append(tuple(np.dtype(v.aval.dtype) for v in eqn.invars))
+      yield eqn
     for p in eqn.params.values():
       for sub in (p if isinstance(p, (tuple, list)) else (p,)):
         inner = getattr(sub, "jaxpr", sub)
         if hasattr(inner, "eqns"):
-          found += _dot_operand_dtypes(inner)
-  return found
+          yield from _dot_eqns(inner)
+
+
+def _dot_operand_dtypes(jaxpr):
+  """(lhs dtype, rhs dtype) of every dot_general in `jaxpr`."""
+  return [tuple(np.dtype(v.aval.dtype) for v in eqn.invars) for eqn in _dot_eqns(jaxpr)]
+
+
+def _dot_precisions(jaxpr):
+  """The precision (first operand's) of every dot_general in `jaxpr`, as text."""
+  return [str(p[0] if isinstance(p, tuple) else p)
+          for p in (eqn.params["precision"] for eqn in _dot_eqns(jaxpr))]
 
 
 def test_native_program_feeds_fp8_directly_and_never_e5m2_x_e5m2(key, monkeypatch):
@@ -116,20 +125,6 @@ def test_native_program_feeds_fp8_directly_and_never_e5m2_x_e5m2(key, monkeypatc
   dtypes = _dot_operand_dtypes(jaxpr)
   assert sorted(map(str, dtypes)) == sorted(map(str, [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)]))
   assert (E5M2, E5M2) not in dtypes
-
-
-def _dot_precisions(jaxpr):
-  found = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "dot_general":
-      p = eqn.params["precision"]
-      found.append(str(p[0] if isinstance(p, tuple) else p))
-    for p in eqn.params.values():
-      for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          found += _dot_precisions(inner)
-  return found
 
 
 @pytest.mark.parametrize("fast_bwd", [False, True])
