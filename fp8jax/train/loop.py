@@ -57,14 +57,14 @@ class Trainer:
     return TrainState(jnp.zeros((), jnp.int32), params, variables.get(FP8_COLLECTION, {}),
                       self.tx.init(params))
 
-  def _step_fn(self, microbatches: int):
+  def step_fn(self, microbatches: int):
     """The jitted train step for `microbatches` microbatches (one compile per count)."""
     if microbatches not in self._steps:
       self._steps[microbatches] = jax.jit(
           make_train_step(self.model.apply, self.tx, microbatches), donate_argnums=0)
     return self._steps[microbatches]
 
-  def _next_batch(self, step: int) -> np.ndarray:
+  def next_batch(self, step: int) -> np.ndarray:
     """int32[microbatches * microbatch_size, T+1] for optimizer step `step`."""
     n = self.config.microbatches_at(step)
     return np.concatenate([self.train_batches.next() for _ in range(n)])
@@ -99,8 +99,8 @@ class Trainer:
     losses, tokens, t0 = [], 0, time.perf_counter()
     with _progress(t.steps, self.progress) as advance:
       for step in range(t.steps):
-        batch = self._next_batch(step)
-        self.state, m = self._step_fn(self.config.microbatches_at(step))(self.state, batch)
+        batch = self.next_batch(step)
+        self.state, m = self.step_fn(self.config.microbatches_at(step))(self.state, batch)
         losses.append(m["loss"])
         tokens += batch.shape[0] * (batch.shape[1] - 1)
         last = step + 1 == t.steps
