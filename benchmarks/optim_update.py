@@ -1,0 +1,135 @@
+"""Times one optimizer step (update + apply) of fp8jax.optim.adamw against optax.adamw.
+
+Default size is issue 4's: 2^30 parameters (split into --tensors 2-D tensors), one device.
+Every mode runs side by side in one process on the same gradients; each step is a jitted
+function with params and optimizer state donated, timed as the median of --iters steps after
+warm-up. Modes:
+
+  optax        optax.adamw, f32 params, f32 state (m, v), f32 gradients
+  fp8jax       fp8jax.optim.adamw: E4M3 m/sqrt(v) + FP16 sqrt(v) state, f32 params and gradients
+  fp8jax O2    fp8jax.optim.adamw + FP16 master weights (apply_master_updates, stochastic
+               rounding) + FP8 E4M3 gradients with a per-tensor scale (as FP8 gradient
+               communication delivers them)
+
+  python benchmarks/optim_update.py [--params N] [--tensors T] [--iters K] [--modes ...]
+  python benchmarks/optim_update.py --params 1048576 --iters 5     # a quick CPU run
+
+Prints per mode: median ms per step, ratio to optax, effective GB/s (persistent bytes read
+and written once per step: params, gradients, state), persistent bytes per parameter, the
+compiled step's temporary memory, and on GPU the device's peak bytes in use.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import fp8jax.optim as fo
+
+MODES = ("optax", "fp8jax", "fp8jax O2")
+
+
+def _shapes(n_params: int, n_tensors: int):
+  """`n_tensors` 2-D shapes (rows x 1024-multiples) summing to about `n_params`."""
+  per = max(n_params // n_tensors, 1024)
+  cols = 4096 if per >= 4096 * 64 else 1024 if per >= 1024 * 8 else per
+  rows = max(per // cols, 1)
+  return [(rows, cols)] * n_tensors
+
+
+def _tree(shapes, key, scale):
+  keys = jax.random.split(key, len(shapes))
+  make = jax.jit(lambda k, s: jax.random.normal(k, s, jnp.float32) * scale, static_argnums=1)
+  return {f"t{i:03d}": make(k, s) for i, (k, s) in enumerate(zip(keys, shapes))}
+
+
+def _step_fn(mode: str, tx):
+  """The jitted step (params/master, opt_state, grads) -> (params/master, opt_state)."""
+  if mode == "fp8jax O2":
+    def step(master, state, grads):
+      params = fo.master_params(master)  # fused into the update, never materialised alone
+      updates, state = tx.update(grads, state, params)
+      return fo.apply_master_updates(master, updates), state
+  else:
+    def step(params, state, grads):
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+def _device_peak():
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("peak_bytes_in_use"), stats.get("bytes_in_use")
+
+
+def run_mode(mode: str, shapes, iters: int, seed: int):
+  """Median seconds per step and memory facts of one mode."""
+  params = _tree(shapes, jax.random.key(seed), 0.02)
+  grads = _tree(shapes, jax.random.key(seed + 1), 1e-3)
+  tx = optax.adamw(1e-4, weight_decay=0.1) if mode == "optax" else fo.adamw(1e-4, weight_decay=0.1)
+  state = jax.jit(tx.init)(params)
+  if mode == "fp8jax O2":
+    params = jax.jit(fo.init_master, donate_argnums=0)(params)
+    grads = jax.jit(fo.quantize_updates, donate_argnums=0)(grads)
+  jax.block_until_ready((params, state, grads))
+  step = _step_fn(mode, tx)
+  compiled = step.lower(params, state, grads).compile()
+  mem = compiled.memory_analysis()
+  temp = getattr(mem, "temp_size_in_bytes", None) if mem is not None else None
+  persistent = fo.tree_bytes(params) + fo.tree_bytes(state) + fo.tree_bytes(grads)
+  for _ in range(3):  # warm-up
+    params, state = compiled(params, state, grads)
+  jax.block_until_ready((params, state))
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    params, state = compiled(params, state, grads)
+    jax.block_until_ready((params, state))
+    times.append(time.perf_counter() - t0)
+  finite = bool(np.isfinite(np.asarray(jax.tree.leaves(fo.master_params(params) if mode == "fp8jax O2"
+                                                       else params)[0][:4], np.float32)).all())
+  peak, in_use = _device_peak()
+  del params, state, grads, compiled, step
+  gc.collect()
+  return dict(ms=1e3 * float(np.median(times)), persistent=persistent, temp=temp, peak=peak,
+              in_use=in_use, finite=finite)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--params", type=int, default=2 ** 30, help="total parameters (default 2^30)")
+  ap.add_argument("--tensors", type=int, default=16, help="number of parameter tensors")
+  ap.add_argument("--iters", type=int, default=20, help="timed steps per mode (median)")
+  ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+  ap.add_argument("--seed", type=int, default=0)
+  args = ap.parse_args(argv)
+
+  shapes = _shapes(args.params, args.tensors)
+  n = sum(int(np.prod(s)) for s in shapes)
+  dev = jax.devices()[0]
+  print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}; "
+        f"{n:,} params in {len(shapes)} tensors of {shapes[0]}; median of {args.iters} steps")
+  results = {}
+  for mode in args.modes:
+    results[mode] = run_mode(mode, shapes, args.iters, args.seed)
+  base = results.get("optax", {}).get("ms")
+  gib = lambda b: "-" if b is None else f"{b / 2 ** 30:.2f}"
+  print("\n| mode | ms (median) | x optax | GB/s (persistent r+w) | bytes/param | "
+        "temp GiB | device peak GiB | finite |")
+  print("|---|---|---|---|---|---|---|---|")
+  for mode, r in results.items():
+    ratio = f"{r['ms'] / base:.2f}" if base else "-"
+    # Persistent state is read once and written once (grads only read): a lower bound on traffic.
+    grad_bytes = n * (1 if mode == "fp8jax O2" else 4)
+    traffic = 2 * r["persistent"] - grad_bytes
+    print(f"| {mode} | {r['ms']:.2f} | {ratio} | {traffic / r['ms'] / 1e6:.0f} | "
+          f"{r['persistent'] / n:.3f} | {gib(r['temp'])} | {gib(r['peak'])} | {r['finite']} |")
+
+
+if __name__ == "__main__":
+  main()
