@@ -29,9 +29,7 @@ from fp8jax.recipe import OptLevel, Recipe, opt_level
 # Features that are not built yet: (key path, values that work now, what the other values need).
 # A value outside the second column is refused. Remove the line when the feature lands.
 NOT_BUILT_YET = (
-    ("train.opt_level", ("O0", "O1"),
-     "the FP8 optimizer with FP16 master weights and FP8/FP16 Adam state, which is not wired "
-     "into the trainer yet"),
+    ("train.opt_level", ("O0", "O1", "O2"), "ZeRO sharding with FP8 weight all-gather (O3)"),
     ("parallel.zero_stage", (0,), "ZeRO sharding"),
     ("parallel.offload_optimizer", (False,), "ZeRO optimizer offload"),
     ("parallel.reduce_bucket_size", (None,),

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fp8jax import data as data_lib
+from fp8jax import optim as fp8_optim
 from fp8jax.config import Config, save_config
 from fp8jax.dot import native_fp8_reason
 from fp8jax.linen import FP8_COLLECTION
@@ -41,7 +42,8 @@ class Trainer:
     self.train_batches = self.data.batches("train", t.microbatch_size, d.seq_len, seed=d.seed)
     self.schedule = lr_schedule(t.learning_rate, t.warmup_steps, t.steps, t.min_lr_ratio)
     self.tx = make_optimizer(self.schedule, b1=t.b1, b2=t.b2, eps=t.eps,
-                             weight_decay=t.weight_decay, clip_norm=t.gradient_clipping)
+                             weight_decay=t.weight_decay, clip_norm=t.gradient_clipping,
+                             level=self.level)
     self.state = self._init_state()
     self._steps: dict[int, Any] = {}
     self._eval = jax.jit(make_eval_step(self.model.apply))
@@ -54,8 +56,11 @@ class Trainer:
     tokens = jnp.zeros((t.microbatch_size, d.seq_len), jnp.int32)
     variables = self.model.init(jax.random.key(t.seed), tokens)
     params = variables["params"]
+    opt_state = self.tx.init(params)
+    if np.dtype(self.level.master_dtype) != np.dtype(np.float32):  # O2/O3: FP16 master weights
+      params = fp8_optim.init_master(params, self.level.master_dtype)
     return TrainState(jnp.zeros((), jnp.int32), params, variables.get(FP8_COLLECTION, {}),
-                      self.tx.init(params))
+                      opt_state)
 
   def step_fn(self, microbatches: int):
     """The jitted train step for `microbatches` microbatches (one compile per count)."""
@@ -92,8 +97,10 @@ class Trainer:
     os.makedirs(self.run_dir, exist_ok=True)
     save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
     writer = metrics_lib.MetricWriter(self.run_dir)
-    print(f"fp8jax train: level {self.level.name}, "
-          f"{param_count(self.state.params) / 1e6:.2f}M params, {t.steps} steps, "
+    n = param_count(self.state.model_params())
+    state_bytes = fp8_optim.tree_bytes((self.state.params, self.state.opt_state)) / n
+    print(f"fp8jax train: level {self.level.name}, {n / 1e6:.2f}M params "
+          f"({state_bytes:.2f} bytes/param of weights + optimizer state), {t.steps} steps, "
           f"data: {self.data.description}; logs: {os.path.abspath(self.run_dir)}")
     final: dict[str, Any] = {}
     losses, tokens, t0 = [], 0, time.perf_counter()

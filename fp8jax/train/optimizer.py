@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import jax
+import numpy as np
 import optax
+
+from fp8jax import optim as fp8_optim
+from fp8jax.recipe import O1, OptLevel
 
 
 def lr_schedule(peak: float, warmup_steps: int, total_steps: int, min_ratio: float):
@@ -18,8 +22,13 @@ def decay_mask(params):
 
 
 def make_optimizer(schedule, *, b1: float, b2: float, eps: float, weight_decay: float,
-                   clip_norm: float) -> optax.GradientTransformation:
-  """Global-norm clipping (`clip_norm` 0 disables) then AdamW with f32 states."""
-  adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
-                      mask=decay_mask)
+                   clip_norm: float, level: OptLevel = O1) -> optax.GradientTransformation:
+  """Global-norm clipping (`clip_norm` 0 disables) then AdamW: optax's with f32 states at
+  O0/O1, ``fp8jax.optim.adamw`` with the level's moment dtypes at O2/O3."""
+  if np.dtype(level.mu_dtype) == np.dtype(np.float32):
+    adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+                        mask=decay_mask)
+  else:
+    adamw = fp8_optim.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+                            mask=decay_mask, mu_dtype=level.mu_dtype, nu_dtype=level.nu_dtype)
   return optax.chain(optax.clip_by_global_norm(clip_norm), adamw) if clip_norm > 0 else adamw

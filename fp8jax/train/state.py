@@ -11,7 +11,8 @@ from fp8jax.linen import FP8_COLLECTION
 class TrainState(NamedTuple):
   """Attributes:
     step: int32[] optimizer steps taken.
-    params: model parameters (the optimizer's only input besides gradients).
+    params: model parameters (the optimizer's only input besides gradients); at O2/O3 an
+      ``fp8jax.optim.MasterWeights`` (FP16 + per-tensor scale) that the model reads decoded.
     fp8: the model's FP8 collection ({} when the model has no FP8 GEMMs); never seen by
       the optimizer, replaced by its updated value every step.
     opt_state: optimizer state.
@@ -22,6 +23,11 @@ class TrainState(NamedTuple):
   fp8: Any
   opt_state: Any
 
+  def model_params(self):
+    """The parameters the model computes from (master weights decoded to f32)."""
+    from fp8jax.optim import MasterWeights, master_params
+    return master_params(self.params) if isinstance(self.params, MasterWeights) else self.params
+
   def variables(self) -> dict:
     """The Flax variables dict the model is applied with."""
-    return {"params": self.params, **({FP8_COLLECTION: self.fp8} if self.fp8 else {})}
+    return {"params": self.model_params(), **({FP8_COLLECTION: self.fp8} if self.fp8 else {})}

@@ -15,6 +15,7 @@ import optax
 
 from fp8jax.accumulate import accumulate_gradients
 from fp8jax.linen import FP8_COLLECTION, apply_fp8_updates
+from fp8jax.optim import MasterWeights, apply_master_updates
 from fp8jax.train.state import TrainState
 
 
@@ -58,10 +59,14 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
 
     (loss_sum, acc), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), parts)
     param_grads = jax.tree.map(lambda g: g / microbatches, acc["params"])
-    updates, opt_state = tx.update(param_grads, state.opt_state, state.params)
-    variables = apply_fp8_updates(state.variables(), acc)
-    new_state = TrainState(state.step + 1, optax.apply_updates(state.params, updates),
-                           variables.get(FP8_COLLECTION, {}), opt_state)
+    params = state.model_params()
+    updates, opt_state = tx.update(param_grads, state.opt_state, params)
+    fp8 = apply_fp8_updates(state.variables(), acc).get(FP8_COLLECTION, {})
+    if isinstance(state.params, MasterWeights):  # FP16 master weights: update in f32, re-round
+      new_params = apply_master_updates(state.params, updates)
+    else:
+      new_params = optax.apply_updates(state.params, updates)
+    new_state = TrainState(state.step + 1, new_params, fp8, opt_state)
     return new_state, {"loss": loss_sum / microbatches,
                        "grad_norm": optax.tree.norm(param_grads)}
 
