@@ -287,6 +287,7 @@ class TrainSection(_Section):
   eval_every: int = _field(50, _ge(0))  # 0 disables validation
   eval_batches: int = _field(8, _ge(1))
   log_every: int = _field(10, _ge(1))
+  fp8_health_every: int = _field(50, _ge(0))  # FP8 cast-health probe; 0 disables
   seed: int = _field(0, _ge(0))
 
   def _check(self):

@@ -16,7 +16,6 @@ put ``FP8_COLLECTION`` in ``variable_axes`` (state stacked on the layer axis).
 """
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import Any, Sequence
 
@@ -29,6 +28,9 @@ from fp8jax.dot import Fp8DotMeta
 from fp8jax.recipe import Recipe
 
 FP8_COLLECTION = "fp8_meta"
+# Diagnostics (see fp8jax.train.health): only computed when the collection is mutable.
+HEALTH_COLLECTION = "fp8_health"
+PERTURBATIONS = "perturbations"
 _ROLES = Fp8DotMeta._fields
 # Per apply (keyed weakly by the root scope): the meta passthrough of each FP8 GEMM's last
 # call, so that a second call of the same layer chains onto the first (updates combine by
@@ -36,8 +38,8 @@ _ROLES = Fp8DotMeta._fields
 _CHAINS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
-def _chained(module: nn.Module, fn, *args):
-  """Runs ``fn(*args, meta) -> (y, meta_passthrough)`` with `module`'s FP8 state.
+def _chained(module: nn.Module, fn, lhs, rhs, *rest):
+  """Runs ``fn(lhs, rhs, *rest, meta) -> (y, meta_passthrough)`` with `module`'s FP8 state.
 
   A second call of the same module in one apply consumes the first call's passthrough, so
   their FP8 updates combine by max in the backward pass.
@@ -48,8 +50,28 @@ def _chained(module: nn.Module, fn, *args):
   meta = chain.get(module.scope.path)
   if meta is None:
     meta = Fp8DotMeta(*(variables[role].value for role in _ROLES))
-  y, chain[module.scope.path] = fn(*args, meta)
+  probing = module.is_mutable_collection(HEALTH_COLLECTION) and not module.is_initializing()
+  if probing:
+    _sow_cast_health(module, meta, lhs, rhs)
+  y, chain[module.scope.path] = fn(lhs, rhs, *rest, meta)
+  if probing:  # the probe differentiates w.r.t. this zero perturbation to see d loss / d y
+    y = module.perturb("output", y, collection=PERTURBATIONS)
+    og = meta.output_grad
+    observed = jnp.max(og.amax_history) > 0  # else the cast uses its own amax: 0 says so
+    module.sow(HEALTH_COLLECTION, "output_grad_scale", jnp.where(observed, og.scale, 0.0),
+               reduce_fn=lambda old, new: new, init_fn=lambda: jnp.zeros(()))
   return y
+
+
+def _sow_cast_health(module, meta, lhs, rhs) -> None:
+  """Sows the saturated / flushed fractions of this GEMM's two forward casts (max over calls)."""
+  r = module.recipe
+  for role, x, m in (("input", lhs, meta.input), ("kernel", rhs, meta.kernel)):
+    scale = scaling.scale_for_cast(m, scaling.compute_amax(x), r, r.fwd_format)
+    sat, flushed = scaling.cast_health(x, scale, r.fwd_format)
+    for name, v in (("saturated", sat), ("flushed", flushed)):
+      module.sow(HEALTH_COLLECTION, f"{role}_{name}", v, reduce_fn=jnp.maximum,
+                 init_fn=lambda: jnp.zeros(()))
 
 
 class Fp8DotGeneral(nn.Module):
@@ -67,10 +89,9 @@ class Fp8DotGeneral(nn.Module):
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                out_sharding=None):
     del precision  # FP8 GEMMs accumulate in f32
-    out = _chained(self, functools.partial(
-        dot.fp8_dot_general_chained, recipe=self.recipe,
-        preferred_element_type=preferred_element_type, amax_axes=tuple(self.amax_axes)),
-        lhs, rhs, dimension_numbers)
+    out = _chained(self, lambda lhs, rhs, dn, meta: dot.fp8_dot_general_chained(
+        lhs, rhs, dn, meta, self.recipe, preferred_element_type=preferred_element_type,
+        amax_axes=tuple(self.amax_axes)), lhs, rhs, dimension_numbers)
     if out_sharding is not None:
       out = jax.lax.with_sharding_constraint(out, out_sharding)
     return out

@@ -27,7 +27,7 @@ def plot_runs(run_dirs: Sequence[str], out_path: str) -> str:
       raise FileNotFoundError(f"{d!r} has no metrics.jsonl; pass run directories written by "
                               "`fp8jax train`")
     runs[os.path.basename(os.path.normpath(d))] = read_jsonl(path)
-  fig, (ax_loss, ax_fp8) = plt.subplots(1, 2, figsize=(12, 4.5))
+  fig, (ax_loss, ax_fp8, ax_health) = plt.subplots(1, 3, figsize=(17, 4.5))
   for name, records in runs.items():
     line, = ax_loss.plot(*_series(records, "loss"), label=f"{name} train")
     ax_loss.plot(*_series(records, "val_loss"), "--", color=line.get_color(),
@@ -36,9 +36,18 @@ def plot_runs(run_dirs: Sequence[str], out_path: str) -> str:
       steps, values = _series(records, f"fp8/{role}/scale_max")
       if steps:
         ax_fp8.semilogy(steps, values, style, color=line.get_color(), label=f"{name} {role}")
+      for kind, marker in (("saturated", "^"), ("flushed", "v")):
+        steps, values = _series(records, f"fp8/{role}/{kind}")
+        if steps:
+          ax_health.plot(steps, [100 * v for v in values], style, marker=marker, markersize=3,
+                         color=line.get_color(), label=f"{name} {role} {kind}")
   ax_loss.set(xlabel="step", ylabel="loss (nats/token)", title="loss")
   ax_fp8.set(xlabel="step", ylabel="largest scale (amax / fp8 max)", title="FP8 scales")
+  ax_health.set(xlabel="step", ylabel="% of elements (worst GEMM)",
+                title="FP8 casts: saturated (^) / flushed to zero (v)")
   ax_loss.legend(fontsize=8)
+  if ax_health.lines:
+    ax_health.legend(fontsize=6)
   if ax_fp8.lines:
     ax_fp8.legend(fontsize=7)
   else:

@@ -102,6 +102,15 @@ def quantize(x: jax.Array, scale: jax.Array, fmt) -> jax.Array:
   return jnp.clip(y, -bound, bound).astype(fmt)
 
 
+def cast_health(x: jax.Array, scale: jax.Array, fmt) -> tuple[jax.Array, jax.Array]:
+  """What casting `x` with `scale` to `fmt` loses: (fraction of elements saturated, i.e.
+  |x| / scale > fp8_max; fraction of nonzero elements flushed to zero), both f32[]."""
+  y = jnp.abs(x.astype(jnp.float32)) * (1.0 / scale)
+  saturated = jnp.mean((y > fp8_max(fmt)).astype(jnp.float32))
+  flushed = (x != 0) & (quantize(x, scale, fmt).astype(jnp.float32) == 0)
+  return saturated, jnp.mean(flushed.astype(jnp.float32))
+
+
 def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
   """f32(q) * scale, cast to `dtype`."""
   return (q.astype(jnp.float32) * scale).astype(dtype)

@@ -32,6 +32,8 @@ def test_o1_and_o2_match_o0_validation_loss_within_one_percent(tmp_path):
   assert abs(o2["val_loss"] - o0["val_loss"]) < 0.01 * o0["val_loss"]
   records = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
   assert any("fp8/output_grad/scale_max" in r for r in records)
+  health = [r for r in records if "fp8/output_grad/flushed" in r]
+  assert health and all(0 <= r["fp8/input/saturated"] < 0.01 for r in health)
   assert any(name.startswith("events.out.tfevents") for name in os.listdir(run_dir))
 
 

@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 
 from fp8jax import FP8_COLLECTION, Recipe
-from fp8jax.linen import Fp8DotGeneral
+from fp8jax.linen import HEALTH_COLLECTION, PERTURBATIONS, Fp8DotGeneral
 
 MLPS = ("gelu", "swiglu")
 NORMS = ("rmsnorm", "layernorm")
@@ -243,7 +243,8 @@ class GPT(nn.Module):
   def _layers(self, deterministic: bool) -> nn.Module:
     """The n_layers blocks under nn.scan (and nn.remat when configured)."""
     block = nn.remat(Block, prevent_cse=False) if self.config.remat else Block
-    scanned = nn.scan(block, variable_axes={"params": 0, FP8_COLLECTION: 0},
+    stacked = {"params": 0, FP8_COLLECTION: 0, HEALTH_COLLECTION: 0, PERTURBATIONS: 0}
+    scanned = nn.scan(block, variable_axes=stacked,
                       split_rngs={"params": True, "dropout": True},
                       in_axes=nn.broadcast, length=self.config.n_layers)
     return scanned(self.config, self.recipe, deterministic, name="layers")

@@ -18,6 +18,7 @@ from fp8jax.dot import native_fp8_reason
 from fp8jax.linen import FP8_COLLECTION
 from fp8jax.models.gpt import GPT, ModelConfig, flops_per_token, param_count
 from fp8jax.train import metrics as metrics_lib
+from fp8jax.train.health import fp8_cast_health
 from fp8jax.train.optimizer import lr_schedule, make_optimizer
 from fp8jax.train.state import TrainState
 from fp8jax.train.step import make_eval_step, make_train_step
@@ -47,6 +48,8 @@ class Trainer:
     self.state = self._init_state()
     self._steps: dict[int, Any] = {}
     self._eval = jax.jit(make_eval_step(self.model.apply))
+    self._health = jax.jit(lambda variables, batch: fp8_cast_health(
+        self.model, variables, batch, self.level.recipe)) if self.level.fp8_gemms else None
     self.run_dir = config.runtime.run_path
     self.flops_per_token = flops_per_token(self.model_config, d.seq_len)
     self.fp8_peak = self.level.fp8_gemms and native_fp8_reason() is None
@@ -119,6 +122,11 @@ class Trainer:
           final.update(window)
           advance(0, window)
           losses, tokens, t0 = [], 0, time.perf_counter()
+        if self._health is not None and t.fp8_health_every and (
+            (step + 1) % t.fp8_health_every == 0 or last):
+          probe = batch[:t.microbatch_size]
+          writer.write(step + 1, {k: float(v) for k, v in
+                                  self._health(self.state.variables(), probe).items()})
         if (t.eval_every and (step + 1) % t.eval_every == 0) or last:
           final["val_loss"] = self.evaluate()
           writer.write(step + 1, {"val_loss": final["val_loss"]})
