@@ -22,6 +22,7 @@ from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from fp8jax.recipe import Recipe
@@ -103,10 +104,12 @@ def quantize(x: jax.Array, scale: jax.Array, fmt) -> jax.Array:
 
 
 def cast_health(x: jax.Array, scale: jax.Array, fmt) -> tuple[jax.Array, jax.Array]:
-  """What casting `x` with `scale` to `fmt` loses: (fraction of elements saturated, i.e.
-  |x| / scale > fp8_max; fraction of nonzero elements flushed to zero), both f32[]."""
+  """What casting `x` with `scale` to `fmt` loses: (fraction of elements saturated, i.e. that
+  round beyond fp8_max and are clipped; fraction of nonzero elements flushed to zero), f32[]."""
+  info = jnp.finfo(fmt)
+  half_ulp_at_max = 2.0 ** (int(np.floor(np.log2(float(info.max)))) - int(info.nmant) - 1)
   y = jnp.abs(x.astype(jnp.float32)) * (1.0 / scale)
-  saturated = jnp.mean((y > fp8_max(fmt)).astype(jnp.float32))
+  saturated = jnp.mean((y >= float(info.max) + half_ulp_at_max).astype(jnp.float32))
   flushed = (x != 0) & (quantize(x, scale, fmt).astype(jnp.float32) == 0)
   return saturated, jnp.mean(flushed.astype(jnp.float32))
 
