@@ -57,8 +57,10 @@ def _chained(module: nn.Module, fn, lhs, rhs, *rest):
   if probing:  # the probe differentiates w.r.t. this zero perturbation to see d loss / d y
     y = module.perturb("output", y, collection=PERTURBATIONS)
     og = meta.output_grad
-    observed = jnp.max(og.amax_history) > 0  # else the cast uses its own amax: 0 says so
-    module.sow(HEALTH_COLLECTION, "output_grad_scale", jnp.where(observed, og.scale, 0.0),
+    # The scale the backward cast will use; 0 when it uses the gradient's own amax (current
+    # scaling, or a delayed meta that has observed nothing yet).
+    stored = (jnp.max(og.amax_history) > 0) & (module.recipe.scaling == "delayed")
+    module.sow(HEALTH_COLLECTION, "output_grad_scale", jnp.where(stored, og.scale, 0.0),
                reduce_fn=lambda old, new: new, init_fn=lambda: jnp.zeros(()))
   return y
 

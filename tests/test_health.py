@@ -64,3 +64,14 @@ def test_probe_sees_bad_scales(model_and_variables, role, scale, kind):
   h = probe(_with_role_scale(variables, role, scale), batch)
   assert float(h[f"fp8/{role}/{kind}"]) > 0.5
   assert np.isfinite(float(h[f"fp8/{role}/{kind}"]))
+
+
+def test_probe_follows_current_scaling_for_output_gradients(model_and_variables):
+  # Under current scaling the backward cast ignores the stored scale: a stale one must not
+  # be reported as saturating.
+  variables, batch, _ = model_and_variables
+  cfg = ModelConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=32)
+  current = fp8jax.Recipe(scaling="current")
+  probe = jax.jit(functools.partial(fp8_cast_health, GPT(cfg, current), recipe=current))
+  h = probe(_with_role_scale(variables, "output_grad", 1e-20), batch)
+  assert float(h["fp8/output_grad/saturated"]) < 0.01

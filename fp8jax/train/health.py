@@ -4,6 +4,8 @@ saturate and the fraction of nonzero elements flushed to zero by the FP8 casts o
 A probe, not part of the train step: one extra forward+backward with the Flax collections
 ``fp8_health`` (forward casts, sown by the FP8 layers) and ``perturbations`` (zero additions to
 each FP8 GEMM's output whose gradient is that GEMM's output gradient) made mutable.
+A layer called twice in one forward shares one perturbation, so its output-gradient numbers
+describe the sum of both calls' gradients (its forward casts are exact: max over calls).
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ from typing import Any, NamedTuple
 import jax
 
 from fp8jax.linen import FP8_COLLECTION
+from fp8jax.optim import MasterWeights, master_params
 
 
 class TrainState(NamedTuple):
@@ -25,7 +26,6 @@ class TrainState(NamedTuple):
 
   def model_params(self):
     """The parameters the model computes from (master weights decoded to f32)."""
-    from fp8jax.optim import MasterWeights, master_params
     return master_params(self.params) if isinstance(self.params, MasterWeights) else self.params
 
   def variables(self) -> dict:
