@@ -1,33 +1,41 @@
-"""Train-step throughput and memory of the reference decoder at several levels, side by side.
+"""Train-step throughput and memory of the reference decoder, several settings side by side.
 
-  python benchmarks/train_throughput.py --config configs/gpt_1_3b.yaml --levels O0,O1 \
-      [--steps 10] [--set model.n_layers=8 ...]
+  python benchmarks/train_throughput.py --config configs/gpt_1_3b.yaml \
+      --run O0=O0 --run O1=O1 --run "O2 no-remat=O2,model.remat=false" [--steps 10] \
+      [--set model.attention_impl=cudnn ...]
 
-Each level builds the trainer of the same config (same data, same batch), runs one warm-up
-step (compilation), then times `--steps` steps (median, host clock around a blocking step).
-Prints tokens/s, ratio to the first level, MFU and device memory (peak) per level.
+Each ``--run LABEL=LEVEL[,key=value...]`` is measured in its own subprocess (so the device's
+peak memory is that run's alone) on the same config, data and batch: one warm-up step
+(compilation), then ``--steps`` steps timed with the host clock around a blocking step
+(median). ``--set`` overrides apply to every run. Prints tokens/s, the ratio to the first run,
+MFU (against the FP8 peak for FP8 levels, BF16 for O0), peak device memory and compile time.
 """
 from __future__ import annotations
 
 import argparse
-import gc
+import json
+import os
+import subprocess
+import sys
 import time
 
-import jax
 import numpy as np
 
-from fp8jax.config import load_config
-from fp8jax.train import metrics as metrics_lib
-from fp8jax.train.loop import Trainer
 
+def time_one(config_path: str, level: str, overrides: list[str], steps: int) -> dict:
+  import jax
+  from fp8jax.config import load_config
+  from fp8jax.train import metrics as metrics_lib
+  from fp8jax.train.loop import Trainer
 
-def time_level(config_path: str, level: str, overrides: list[str], steps: int) -> dict:
   cfg = load_config(config_path, list(overrides) + [f"train.opt_level={level}"])
   trainer = Trainer(cfg, progress=False)
   batch = trainer.next_batch(0)
   step = trainer.step_fn(cfg.microbatches_at(0))
+  t0 = time.perf_counter()
   trainer.state, m = step(trainer.state, batch)
   jax.block_until_ready(m)
+  compile_s = time.perf_counter() - t0
   times = []
   for _ in range(steps):
     t0 = time.perf_counter()
@@ -36,31 +44,58 @@ def time_level(config_path: str, level: str, overrides: list[str], steps: int) -
     times.append(time.perf_counter() - t0)
   tokens = batch.shape[0] * (batch.shape[1] - 1)
   tps = tokens / float(np.median(times))
-  out = {"level": level, "ms": 1e3 * float(np.median(times)), "tokens_per_s": tps,
-         "mfu": metrics_lib.mfu(trainer.flops_per_token, tps, trainer.fp8_peak),
-         "loss": float(m["loss"]), **metrics_lib.memory_in_use()}
-  del trainer, step
-  gc.collect()
-  return out
+  return {"ms": 1e3 * float(np.median(times)), "tokens_per_s": tps, "compile_s": compile_s,
+          "mfu": metrics_lib.mfu(trainer.flops_per_token, tps, trainer.fp8_peak),
+          "loss": float(m["loss"]), "batch": int(batch.shape[0]), **metrics_lib.memory_in_use()}
+
+
+def parse_run(text: str) -> tuple[str, str, list[str]]:
+  """'LABEL=LEVEL[,key=value...]' -> (label, level, overrides)."""
+  label, sep, rest = text.partition("=")
+  if not sep or not rest:
+    raise SystemExit(f"--run {text!r}: use LABEL=LEVEL[,key=value...]")
+  level, *overrides = rest.split(",")
+  return label, level, overrides
 
 
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--config", default="configs/tiny.yaml")
-  p.add_argument("--levels", default="O0,O1")
+  p.add_argument("--run", action="append", default=[])
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--set", action="append", default=[])
+  p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: LEVEL
   a = p.parse_args()
-  print(f"devices: {[d.device_kind for d in jax.devices()]}  jax {jax.__version__}")
-  rows = [time_level(a.config, lvl, a.set, a.steps) for lvl in a.levels.split(",")]
+  if a.one is not None:
+    print("RESULT " + json.dumps(time_one(a.config, a.one, a.set, a.steps)), flush=True)
+    return
+  runs = [parse_run(r) for r in (a.run or ["O0=O0", "O1=O1"])]
+  rows = []
+  for label, level, overrides in runs:
+    cmd = [sys.executable, __file__, "--config", a.config, "--one", level,
+           "--steps", str(a.steps)]
+    for s in list(a.set) + overrides:
+      cmd += ["--set", s]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if line is None:
+      print(f"{label}: failed (exit {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
+      continue
+    rows.append({"label": label, **json.loads(line[7:])})
+    r = rows[-1]
+    print(f"{label}: {r['ms']:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s, "
+          f"compile {r['compile_s']:.0f} s", flush=True)
+  if not rows:
+    return
   base = rows[0]["tokens_per_s"]
-  print(f"\n{'level':6s} {'ms/step':>9s} {'tokens/s':>11s} {'ratio':>6s} {'MFU':>6s} "
-        f"{'peak GiB':>9s} {'loss':>7s}")
+  print(f"\nconfig {a.config} {' '.join(a.set)}")
+  print(f"| run | batch | ms/step | tokens/s | x {rows[0]['label']} | MFU | peak GiB | loss |")
+  print("|---|---|---|---|---|---|---|---|")
   for r in rows:
-    mfu = f"{r['mfu']:.3f}" if r["mfu"] is not None else "  n/a"
+    mfu = f"{r['mfu']:.3f}" if r["mfu"] is not None else "n/a"
     peak = f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else "n/a"
-    print(f"{r['level']:6s} {r['ms']:9.1f} {r['tokens_per_s']:11,.0f} "
-          f"{r['tokens_per_s'] / base:6.2f} {mfu:>6s} {peak:>9s} {r['loss']:7.3f}")
+    print(f"| {r['label']} | {r['batch']} | {r['ms']:.1f} | {r['tokens_per_s']:,.0f} | "
+          f"{r['tokens_per_s'] / base:.2f} | {mfu} | {peak} | {r['loss']:.3f} |")
 
 
 if __name__ == "__main__":
