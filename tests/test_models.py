@@ -184,3 +184,18 @@ def test_bad_inputs_raise(key):
     apply(variables, jnp.ones((1, 8), jnp.float32))
   with pytest.raises(ValueError, match="batch_size=0 is not allowed"):
     init_model(TINY, None, key, 0, 8)
+
+
+@pytest.mark.parametrize("vocab", [256, 5000])  # one-hot GEMM lookup, gather lookup
+def test_embed_matches_gather_lookup_and_gradient(key, vocab):
+  from fp8jax.models.gpt import Embed
+  k1, k2, k3 = jax.random.split(key, 3)
+  tokens = jax.random.randint(k1, (4, 24), 0, vocab, jnp.int32)
+  module = Embed(vocab, 32, dtype=jnp.float32)
+  params = module.init(k2, tokens)
+  table = params["params"]["embedding"]
+  cot = jax.random.normal(k3, (4, 24, 32), jnp.float32)
+  out, vjp = jax.vjp(lambda p: module.apply(p, tokens), params)
+  np.testing.assert_allclose(out, table[tokens], rtol=1e-6, atol=0)
+  ref_grad = jnp.zeros_like(table).at[tokens].add(cot)
+  assert rel_err(vjp(cot)[0]["params"]["embedding"], ref_grad) < 1e-5
