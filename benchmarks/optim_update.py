@@ -54,7 +54,9 @@ def _step_fn(mode: str, tx):
     def step(master, state, grads):
       params = fo.master_params(master)  # fused into the update, never materialised alone
       updates, state = tx.update(grads, state, params)
-      return fo.apply_master_updates(master, updates), state
+      # The optimizer zeroes a non-finite step's updates; the flag is the gradients' check
+      # (the same reduction skip_not_finite does), so the update stays one pass.
+      return fo.apply_master_updates(master, updates, finite=fo.all_finite(grads)), state
   else:
     def step(params, state, grads):
       updates, state = tx.update(grads, state, params)

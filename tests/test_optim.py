@@ -181,7 +181,7 @@ def test_bytes_per_parameter_optimizer_3_training_state_6():
   opt, m, g = fo.tree_bytes(opt_state), fo.tree_bytes(master), fo.tree_bytes(fp8_grads)
   # Every byte counted: payloads, f32 scales (per tensor) and int32 counters.
   assert opt == 3 * n + 2 * 4 * n_tensors + 4       # mu 1 + nu 2 per element
-  assert m == 2 * n + 4 * n_tensors + 4             # FP16 master
+  assert m == 2 * n + 2 * 4 * n_tensors + 2 * 4     # FP16 master (+ scale, amax per tensor; counts)
   assert g == 1 * n + 4 * n_tensors                 # FP8 gradient
   print(f"bytes/param: optimizer {opt / n:.5f}, O2 training state {(opt + m + g) / n:.5f}")
   assert opt / n <= 3.0001 and (opt + m + g) / n <= 6.0002
@@ -580,6 +580,50 @@ def test_master_weights_unchanged_by_non_finite_and_zero_updates(key):
   assert int(new.params["step"]) == 3  # non-float leaves pass through
   with pytest.raises(ValueError, match="rounding='up' is not allowed"):
     fo.apply_master_updates(master, {"w": w, "step": 0}, rounding="up")
+
+
+def master_params_z(master):
+  return fo.master_params(master)["z"]
+
+
+def test_master_weights_scale_chosen_before_the_update_follows_growth_and_zero_tensors(key):
+  """The write scale comes from the amax after the previous update (16x headroom): weights
+  that grow 10x in one step, and a zero tensor that starts moving, are stored exactly to
+  FP16 precision; a shrinking tensor's scale follows it down. `finite=` replaces the check."""
+  k1, k2 = jax.random.split(key)
+  w = jax.random.normal(k1, (128, 64))
+  u = jax.random.normal(k2, (128, 64)) * 3e-3
+  master = fo.init_master({"w": w, "z": jnp.zeros((128, 64))})
+  apply = jax.jit(fo.apply_master_updates, static_argnames="rounding")
+  for grow_w, uz in ((9.0, u), (0.0, 12.0 * u), (-0.9, u)):  # w: x10, x1, x0.1
+    before = jax.tree.map(lambda a: np.asarray(a, np.float64), fo.master_params(master))
+    uw = grow_w * fo.master_params(master)["w"] + (u if grow_w == 0 else 0)
+    master = apply(master, {"w": uw, "z": uz}, rounding="nearest")
+    want = {"w": before["w"] + np.asarray(uw, np.float64),
+            "z": before["z"] + np.asarray(uz, np.float64)}
+    got = fo.master_params(master)
+    for name in ("w", "z"):
+      amax = np.abs(want[name]).max()
+      assert float(master.amax[0 if name == "w" else 1]) == pytest.approx(amax, rel=1e-2)
+      assert rel_err(got[name], want[name]) < 1e-3  # FP16 rounding only, nothing clipped
+  # The scale follows the shrink at the next update (exactly: powers of two, zero update).
+  after = apply(master, {"w": jnp.zeros_like(u), "z": jnp.zeros_like(u)}, rounding="nearest")
+  assert float(after.params["w"].scale) < float(master.params["w"].scale) / 4
+  assert np.array_equal(fo.master_params(after)["w"], fo.master_params(master)["w"])
+  assert int(master.clipped) == 0
+  # Growing 1000x in one step (a diverging run) clips at the headroom and is counted.
+  grown = apply(master, {"w": u, "z": 1e3 * master_params_z(master)}, rounding="nearest")
+  assert int(grown.clipped) == 1
+  limit = float(grown.params["z"].scale) * 65504
+  assert float(jnp.max(jnp.abs(fo.master_params(grown)["z"]))) == pytest.approx(limit)
+  # finite=False: nothing changes (no pass over the updates); finite=True: same as checked.
+  same = apply(master, {"w": u, "z": u}, rounding="nearest")
+  given = jax.jit(lambda m, up: fo.apply_master_updates(m, up, rounding="nearest",
+                                                        finite=True))(master, {"w": u, "z": u})
+  assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), same, given))
+  skipped = jax.jit(lambda m, up: fo.apply_master_updates(m, up, finite=False))(
+      master, {"w": u, "z": u})
+  assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), skipped, master))
 
 
 # ---------------------------------------------------------------------------------------------
