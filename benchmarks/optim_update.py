@@ -31,7 +31,7 @@ import optax
 
 import fp8jax.optim as fo
 
-MODES = ("optax", "fp8jax", "fp8jax O2")
+MODES = ("optax", "fp8jax", "fp8jax O2", "O2 payload-amax", "O2 nearest")
 
 
 def _shapes(n_params: int, n_tensors: int):
@@ -50,7 +50,19 @@ def _tree(shapes, key, scale):
 
 def _step_fn(mode: str, tx):
   """The jitted step (params/master, opt_state, grads) -> (params/master, opt_state)."""
-  if mode == "fp8jax O2":
+  if mode.startswith("O2 "):  # experiments: master scale from the payload's amax; RTN
+    rounding = "nearest" if mode == "O2 nearest" else "stochastic"
+
+    def step(master, state, grads):
+      if mode == "O2 payload-amax":
+        master = master._replace(amax=None)  # amax from the stored payload, not tracked
+      params = fo.master_params(master)
+      updates, state = tx.update(grads, state, params)
+      new = fo.apply_master_updates(master, updates, finite=fo.all_finite(grads),
+                                    rounding=rounding)
+      return (new._replace(amax=jnp.zeros_like(new.amax)) if mode == "O2 payload-amax"
+              else new), state
+  elif mode == "fp8jax O2":
     def step(master, state, grads):
       params = fo.master_params(master)  # fused into the update, never materialised alone
       updates, state = tx.update(grads, state, params)
@@ -69,13 +81,13 @@ def _device_peak():
   return stats.get("peak_bytes_in_use"), stats.get("bytes_in_use")
 
 
-def run_mode(mode: str, shapes, iters: int, seed: int):
+def run_mode(mode: str, shapes, iters: int, seed: int, dump_hlo: str | None = None):
   """Median seconds per step and memory facts of one mode."""
   params = _tree(shapes, jax.random.key(seed), 0.02)
   grads = _tree(shapes, jax.random.key(seed + 1), 1e-3)
   tx = optax.adamw(1e-4, weight_decay=0.1) if mode == "optax" else fo.adamw(1e-4, weight_decay=0.1)
   state = jax.jit(tx.init)(params)
-  if mode == "fp8jax O2":
+  if mode != "optax" and mode != "fp8jax":
     params = jax.jit(fo.init_master, donate_argnums=0)(params)
     grads = jax.jit(fo.quantize_updates, donate_argnums=0)(grads)
   jax.block_until_ready((params, state, grads))
@@ -83,6 +95,12 @@ def run_mode(mode: str, shapes, iters: int, seed: int):
   compiled = step.lower(params, state, grads).compile()
   mem = compiled.memory_analysis()
   temp = getattr(mem, "temp_size_in_bytes", None) if mem is not None else None
+  # Fusions in the entry computation of the compiled step (~ kernels launched per step).
+  if dump_hlo:
+    with open(f"{dump_hlo}.{mode.replace(' ', '_')}.hlo.txt", "w") as f:
+      f.write(compiled.as_text())
+  entry = compiled.as_text().split("ENTRY", 1)[-1]
+  fusions = sum(1 for line in entry.splitlines() if " fusion(" in line)
   persistent = fo.tree_bytes(params) + fo.tree_bytes(state) + fo.tree_bytes(grads)
   for _ in range(3):  # warm-up
     params, state = compiled(params, state, grads)
@@ -93,13 +111,14 @@ def run_mode(mode: str, shapes, iters: int, seed: int):
     params, state = compiled(params, state, grads)
     jax.block_until_ready((params, state))
     times.append(time.perf_counter() - t0)
-  finite = bool(np.isfinite(np.asarray(jax.tree.leaves(fo.master_params(params) if mode == "fp8jax O2"
+  o2 = mode not in ("optax", "fp8jax")
+  finite = bool(np.isfinite(np.asarray(jax.tree.leaves(fo.master_params(params) if o2
                                                        else params)[0][:4], np.float32)).all())
   peak, in_use = _device_peak()
   del params, state, grads, compiled, step
   gc.collect()
   return dict(ms=1e3 * float(np.median(times)), persistent=persistent, temp=temp, peak=peak,
-              in_use=in_use, finite=finite)
+              in_use=in_use, finite=finite, fusions=fusions)
 
 
 def main(argv=None):
@@ -109,6 +128,8 @@ def main(argv=None):
   ap.add_argument("--iters", type=int, default=20, help="timed steps per mode (median)")
   ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--dump-hlo", default=None, metavar="PREFIX",
+                  help="write each mode's compiled step to PREFIX.<mode>.hlo.txt")
   args = ap.parse_args(argv)
 
   shapes = _shapes(args.params, args.tensors)
@@ -118,19 +139,20 @@ def main(argv=None):
         f"{n:,} params in {len(shapes)} tensors of {shapes[0]}; median of {args.iters} steps")
   results = {}
   for mode in args.modes:
-    results[mode] = run_mode(mode, shapes, args.iters, args.seed)
+    results[mode] = run_mode(mode, shapes, args.iters, args.seed, args.dump_hlo)
   base = results.get("optax", {}).get("ms")
   gib = lambda b: "-" if b is None else f"{b / 2 ** 30:.2f}"
   print("\n| mode | ms (median) | x optax | GB/s (persistent r+w) | bytes/param | "
-        "temp GiB | device peak GiB | finite |")
-  print("|---|---|---|---|---|---|---|---|")
+        "temp GiB | device peak GiB | finite | fusions |")
+  print("|---|---|---|---|---|---|---|---|---|")
   for mode, r in results.items():
     ratio = f"{r['ms'] / base:.2f}" if base else "-"
     # Persistent state is read once and written once (grads only read): a lower bound on traffic.
-    grad_bytes = n * (1 if mode == "fp8jax O2" else 4)
+    grad_bytes = n * (4 if mode in ("optax", "fp8jax") else 1)
     traffic = 2 * r["persistent"] - grad_bytes
     print(f"| {mode} | {r['ms']:.2f} | {ratio} | {traffic / r['ms'] / 1e6:.0f} | "
-          f"{r['persistent'] / n:.3f} | {gib(r['temp'])} | {gib(r['peak'])} | {r['finite']} |")
+          f"{r['persistent'] / n:.3f} | {gib(r['temp'])} | {gib(r['peak'])} | {r['finite']} | "
+          f"{r['fusions']} |")
 
 
 if __name__ == "__main__":

@@ -75,11 +75,15 @@ def main():
   p.add_argument("--steps", type=int, default=3)
   p.add_argument("--set", action="append", default=[])
   p.add_argument("--trace-dir", default=None)
+  p.add_argument("--dump-hlo", default=None, metavar="PATH", help="write the compiled step here")
   a = p.parse_args()
   cfg = load_config(a.config, list(a.set) + [f"train.opt_level={a.level}"])
   trainer = Trainer(cfg, progress=False)
   batch = trainer.next_batch(0)
   step = trainer.step_fn(cfg.microbatches_at(0))
+  if a.dump_hlo:
+    with open(a.dump_hlo, "w") as f:
+      f.write(step.lower(trainer.state, batch).compile().as_text())
   for _ in range(2):
     trainer.state, m = step(trainer.state, batch)
   jax.block_until_ready(m)

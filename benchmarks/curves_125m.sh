@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The 125M O0-vs-O2 loss curves: two runs of configs/gpt_125m.yaml side by side, one per GPU
+# (or one after the other with one GPU). Usage: bash benchmarks/curves_125m.sh STEPS OUTDIR
+set -u
+STEPS=${1:-3000}; OUTDIR=${2:-runs/curves_125m}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+export XLA_FLAGS=${XLA_FLAGS:---xla_gpu_enable_triton_gemm=false}
+NGPU=$(nvidia-smi -L | wc -l)
+run() {  # level gpu
+  CUDA_VISIBLE_DEVICES=$2 python3 -m fp8jax.cli train --config configs/gpt_125m.yaml \
+    --set train.opt_level=$1 --set train.steps=$STEPS --set model.attention_impl=cudnn \
+    --set runtime.run_dir=$OUTDIR/$1 --no-progress > $OUTDIR/$1.log 2>&1
+}
+mkdir -p $OUTDIR
+if [ "$NGPU" -ge 2 ]; then run O0 0 & run O2 1 & wait; else run O0 0; run O2 0; fi
+tail -2 $OUTDIR/O0.log $OUTDIR/O2.log
