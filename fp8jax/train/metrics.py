@@ -117,3 +117,16 @@ def read_jsonl(path: str) -> list[dict]:
   """The records of a metrics.jsonl file."""
   with open(path) as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+def drop_records_after(path: str, step: int) -> None:
+  """Rewrites a metrics.jsonl file without its records of steps > `step` (a resumed run
+  writes them again), so the file holds each step once."""
+  if not os.path.exists(path):
+    return
+  kept = [r for r in read_jsonl(path) if r.get("step", 0) <= step]
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    for r in kept:
+      f.write(json.dumps(r) + "\n")
+  os.replace(tmp, path)
