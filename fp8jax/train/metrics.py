@@ -124,7 +124,15 @@ def drop_records_after(path: str, step: int) -> None:
   writes them again), so the file holds each step once."""
   if not os.path.exists(path):
     return
-  kept = [r for r in read_jsonl(path) if r.get("step", 0) <= step]
+  kept = []
+  with open(path) as f:
+    for line in f:
+      try:
+        record = json.loads(line)
+      except ValueError:  # a line cut short when the process was killed
+        continue
+      if record.get("step", 0) <= step:
+        kept.append(record)
   tmp = path + ".tmp"
   with open(tmp, "w") as f:
     for r in kept:
