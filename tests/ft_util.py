@@ -18,7 +18,7 @@ def tiny_config(path, run_dir, **sections) -> str:
       "model": {"vocab_size": 256, "d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64,
                 "max_seq_len": 32},
       "data": {"seq_len": 32, "max_bytes": 200000},
-      "train": {"steps": 12, "batch_size": 4, "learning_rate": 1e-3, "warmup_steps": 2,
+      "train": {"steps": 40, "batch_size": 4, "learning_rate": 1e-3, "warmup_steps": 2,
                 "eval_every": 0, "eval_batches": 1, "log_every": 1, "fp8_health_every": 0},
       "checkpoint": {"checkpoint_every_n_steps": 3, "auto_resume": True},
       "runtime": {"run_dir": str(run_dir)},

@@ -62,7 +62,7 @@ class Trainer:
   def _init_state(self) -> TrainState:
     t, d = self.config.train, self.config.data
     tokens = jnp.zeros((t.microbatch_size, d.seq_len), jnp.int32)
-    variables = self.model.init(jax.random.key(t.seed), tokens)
+    variables = jax.jit(self.model.init)(jax.random.key(t.seed), tokens)  # one compile
     params = variables["params"]
     opt_state = self.tx.init(params)
     if np.dtype(self.level.master_dtype) != np.dtype(np.float32):  # O2/O3: FP16 master weights
