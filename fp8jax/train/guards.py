@@ -145,8 +145,8 @@ class Heartbeat:
         return
 
   def _stall(self, idle: float) -> None:
-    logger.error("heartbeat: no training progress for %.1f s (limit %.1f s = "
-                 "heartbeat_interval %.1f s x %d) on process %d; stacks of all threads "
+    logger.error("heartbeat: no training progress for %.2f s (limit %.2f s = "
+                 "heartbeat_interval %.2f s x %d) on process %d; stacks of all threads "
                  "follow, exiting with code %d", idle, self.limit, self.interval,
                  self.tolerance, jax.process_index(), self.exit_code)
     print(f"fp8jax heartbeat: stalled for {idle:.1f} s (limit {self.limit:.1f} s); "
