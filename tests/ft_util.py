@@ -21,7 +21,7 @@ def tiny_config(path, run_dir, **sections) -> str:
       "train": {"steps": 40, "batch_size": 4, "learning_rate": 1e-3, "warmup_steps": 2,
                 "eval_every": 0, "eval_batches": 1, "log_every": 1, "fp8_health_every": 0},
       "checkpoint": {"checkpoint_every_n_steps": 3, "auto_resume": True},
-      "runtime": {"run_dir": str(run_dir)},
+      "runtime": {"run_dir": str(run_dir), "heartbeat_interval": 60.0},
   }
   for section, values in sections.items():
     cfg.setdefault(section, {}).update(values)

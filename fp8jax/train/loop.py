@@ -171,6 +171,9 @@ class Trainer:
 
   def _init_guards(self) -> None:
     c, r = self.config.checkpoint, self.config.runtime
+    # Commit the state to its devices: a restored state is committed, and jit keys its
+    # compiled program (and the persistent compilation cache) on that.
+    self.state = jax.device_put(self.state, jax.tree.map(lambda x: x.sharding, self.state))
     self.checkpoints = None
     if c.enabled:
       self.checkpoints = checkpoint_lib.CheckpointManager(
