@@ -208,6 +208,8 @@ class Trainer:
     if self.checkpoints is None:
       return 0
     meta = self._peek_meta()
+    if meta is not None:
+      self._check_same_run(meta)
     if meta is not None and meta.get("bf16_fallback"):
       self.fall_back_to_bf16(meta["bf16_fallback"], record=False)
     restored = self.checkpoints.restore(self.state, shardings)
@@ -221,6 +223,19 @@ class Trainer:
     self.skips.total = int(restored.meta.get("skipped_steps", 0))
     print(f"fp8jax train: resumed from step {restored.step} ({self.checkpoints.directory})")
     return restored.step
+
+  def _check_same_run(self, meta: dict) -> None:
+    """Refuses to resume a checkpoint of another model or level (its state would not fit;
+    orbax would fail on every checkpoint)."""
+    saved = meta.get("config", {})
+    mine = config_to_dict(self.config)
+    for section, key in [("model", k) for k in mine["model"]] + [("train", "opt_level")]:
+      old = saved.get(section, {}).get(key, mine[section][key])
+      if old != mine[section][key]:
+        raise ValueError(
+            f"{section}.{key}={mine[section][key]!r} but the checkpoints in "
+            f"{self.checkpoints.directory} were written with {section}.{key}={old!r}; use "
+            f"the same value to resume, or another checkpoint.dir / auto_resume: false")
 
   def _peek_meta(self) -> dict | None:
     """The JSON metadata of the newest checkpoint (None when absent or unreadable)."""
