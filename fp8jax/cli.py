@@ -2,7 +2,8 @@
 
 ``fp8jax train --config configs/tiny.yaml [--set train.steps=50]``: trains the reference
 decoder; ``fp8jax plot RUN_DIR...``: overlays runs' loss curves and FP8 scales in a PNG.
-``fp8jax check``: lists the devices, says whether FP8 GEMMs run natively or emulated (and
+``fp8jax launch -n N [--max-restarts R] -- COMMAND``: N supervised local processes
+(``fp8jax.launch``). ``fp8jax check``: lists the devices, says whether FP8 GEMMs run natively or emulated (and
 why), and compares one Dense layer's forward+backward in FP8 against BF16: relative error of
 output, input gradient and weight gradient vs a float64 reference, and time per step.
 """
@@ -113,6 +114,12 @@ def cmd_train(args) -> int:
   return 0
 
 
+def cmd_launch(args) -> int:
+  from fp8jax.launch import launch
+  command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+  return launch(command, args.num_processes, args.max_restarts, args.grace)
+
+
 def cmd_plot(args) -> int:
   from fp8jax.plot import plot_runs
   print(plot_runs(args.run_dirs, args.output))
@@ -135,6 +142,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="override one config value (repeatable)")
   train.add_argument("--no-progress", action="store_true", help="no progress bar")
   train.set_defaults(func=cmd_train)
+  launch = sub.add_parser("launch", help="run a command as N local processes (jax.distributed "
+                          "variables set), restart failed attempts")
+  launch.add_argument("-n", "--num-processes", type=int, default=1, help="processes (default 1)")
+  launch.add_argument("--max-restarts", type=int, default=0,
+                      help="restart all processes after a failure up to this many times")
+  launch.add_argument("--grace", type=float, default=30.0,
+                      help="seconds the others get to stop after one fails (then SIGTERM, "
+                           "SIGKILL)")
+  launch.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
+  launch.set_defaults(func=cmd_launch)
   plot = sub.add_parser("plot", help="loss curves and FP8 scales of runs, overlaid, to PNG")
   plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
   plot.add_argument("-o", "--output", default="runs.png", help="PNG path (default: runs.png)")

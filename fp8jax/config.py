@@ -37,9 +37,6 @@ NOT_BUILT_YET = (
     ("parallel.tensor_parallel_size", (1,), "tensor parallelism"),
     ("parallel.pipeline_parallel_size", (1,), "pipeline parallelism"),
     ("parallel.device_map", (None,), "heterogeneous device placement"),
-    ("checkpoint.checkpoint_every_n_steps", (0,), "checkpointing"),
-    ("checkpoint.auto_resume", (False,), "checkpointing"),
-    ("runtime.heartbeat_interval", (None,), "the training heartbeat guard"),
     ("model.dropout_rate", (0.0, 0), "dropout RNG plumbing in the train step"),
 )
 
@@ -343,21 +340,39 @@ class ParallelSection(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointSection(_Section):
-  """Checkpointing; `dir` None means ``<run dir>/checkpoints``. Not built yet."""
+  """Checkpointing (``fp8jax.checkpoint``); `dir` None means ``<run dir>/checkpoints``.
+  `keep` newest checkpoints are kept, plus every step that is a multiple of `keep_every`;
+  `auto_resume` continues from the newest good checkpoint in `dir`."""
   _path = "checkpoint"
   dir: str | None = _field(None, _NONEMPTY)
   checkpoint_every_n_steps: int = _field(0, _ge(0))  # 0: no periodic checkpoints
   keep: int = _field(3, _ge(1))
+  keep_every: int | None = _field(None, _ge(1))
+  async_save: bool = True
   auto_resume: bool = False
+
+  @property
+  def enabled(self) -> bool:
+    """True when the run saves or resumes checkpoints."""
+    return self.checkpoint_every_n_steps > 0 or self.auto_resume
 
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeSection(_Section):
-  """Where a run writes; `run_dir` may use the placeholder ``{name}``."""
+  """Where a run writes (`run_dir` may use the placeholder ``{name}``) and its guards
+  (``fp8jax.train.guards``): a step without progress for `heartbeat_interval` x
+  `heartbeat_tolerance` seconds exits the process; `max_consecutive_skips` non-finite steps
+  in a row reload the last checkpoint (0: never); every `divergence_check_every` steps (0:
+  never) the FP8 loss is compared with BF16 GEMMs on the same batch and a relative gap above
+  `divergence_threshold` switches the run to BF16 (O0) GEMMs."""
   _path = "runtime"
   name: str = _field("run", _NAME)
   run_dir: str = _field("runs/{name}", _NONEMPTY)
   heartbeat_interval: float | None = _field(None, _gt(0))  # seconds
+  heartbeat_tolerance: int = _field(3, _ge(1))
+  max_consecutive_skips: int = _field(3, _ge(0))
+  divergence_check_every: int = _field(0, _ge(0))
+  divergence_threshold: float = _field(0.01, _gt(0))
 
   def _check(self):
     try:

@@ -195,9 +195,6 @@ REFUSED = {
     "parallel.tensor_parallel_size": 2,
     "parallel.pipeline_parallel_size": 2,
     "parallel.device_map": "auto",
-    "checkpoint.checkpoint_every_n_steps": 100,
-    "checkpoint.auto_resume": True,
-    "runtime.heartbeat_interval": 30.0,
     "model.dropout_rate": 0.1,
 }
 

@@ -1,7 +1,9 @@
 """The Trainer: config -> model, data, optimizer -> steps with validation, logs and progress."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -11,17 +13,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp8jax import checkpoint as checkpoint_lib
 from fp8jax import data as data_lib
 from fp8jax import optim as fp8_optim
-from fp8jax.config import Config, save_config
+from fp8jax.config import Config, config_to_dict, save_config
 from fp8jax.dot import native_fp8_reason
 from fp8jax.linen import FP8_COLLECTION
 from fp8jax.models.gpt import GPT, ModelConfig, flops_per_token, param_count
+from fp8jax.train import guards
 from fp8jax.train import metrics as metrics_lib
 from fp8jax.train.health import fp8_cast_health
 from fp8jax.train.optimizer import lr_schedule, make_optimizer
 from fp8jax.train.state import TrainState
-from fp8jax.train.step import make_eval_step, make_train_step
+from fp8jax.train.step import cross_entropy, make_eval_step, make_train_step
 
 logger = logging.getLogger("fp8jax")
 
@@ -53,11 +57,12 @@ class Trainer:
     self.run_dir = config.runtime.run_path
     self.flops_per_token = flops_per_token(self.model_config, d.seq_len)
     self.fp8_peak = self.level.fp8_gemms and native_fp8_reason() is None
+    self._init_guards()
 
   def _init_state(self) -> TrainState:
     t, d = self.config.train, self.config.data
     tokens = jnp.zeros((t.microbatch_size, d.seq_len), jnp.int32)
-    variables = self.model.init(jax.random.key(t.seed), tokens)
+    variables = jax.jit(self.model.init)(jax.random.key(t.seed), tokens)  # one compile
     params = variables["params"]
     opt_state = self.tx.init(params)
     if np.dtype(self.level.master_dtype) != np.dtype(np.float32):  # O2/O3: FP16 master weights
@@ -68,8 +73,8 @@ class Trainer:
   def step_fn(self, microbatches: int):
     """The jitted train step for `microbatches` microbatches (one compile per count)."""
     if microbatches not in self._steps:
-      self._steps[microbatches] = jax.jit(
-          make_train_step(self.model.apply, self.tx, microbatches), donate_argnums=0)
+      self._steps[microbatches] = jax.jit(guards.skip_nonfinite_steps(
+          make_train_step(self.model.apply, self.tx, microbatches)), donate_argnums=0)
     return self._steps[microbatches]
 
   def next_batch(self, step: int) -> np.ndarray:
@@ -99,7 +104,14 @@ class Trainer:
     cfg, t = self.config, self.config.train
     os.makedirs(self.run_dir, exist_ok=True)
     save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
+    start = self.resume() if cfg.checkpoint.auto_resume else 0
+    if start:
+      metrics_lib.drop_records_after(os.path.join(self.run_dir, "metrics.jsonl"), start)
+    if start >= t.steps:
+      print(f"fp8jax train: {self.run_dir} already finished {start} of {t.steps} steps")
+      return {"resumed_from": start}
     writer = metrics_lib.MetricWriter(self.run_dir)
+    self._writer = writer
     n = param_count(self.state.model_params())
     state_bytes = fp8_optim.tree_bytes((self.state.params, self.state.opt_state)) / n
     print(f"fp8jax train: level {self.level.name}, {n / 1e6:.2f}M params "
@@ -107,10 +119,15 @@ class Trainer:
           f"data: {self.data.description}; logs: {os.path.abspath(self.run_dir)}")
     final: dict[str, Any] = {}
     losses, tokens, t0 = [], 0, time.perf_counter()
-    with _progress(t.steps, self.progress) as advance:
-      for step in range(t.steps):
+    with _progress(t.steps, self.progress) as advance, guards.Preemption() as preemption, \
+        self._heartbeat() as heartbeat:
+      advance(start, None)
+      for step in range(start, t.steps):
         batch = self.next_batch(step)
+        bf16_loss = self._bf16_loss(self.state, batch) if self.watchdog.due(step) else None
         self.state, m = self.step_fn(self.config.microbatches_at(step))(self.state, batch)
+        self._after_step(step, m, bf16_loss, writer)
+        heartbeat.beat()
         losses.append(m["loss"])
         tokens += batch.shape[0] * (batch.shape[1] - 1)
         last = step + 1 == t.steps
@@ -132,10 +149,173 @@ class Trainer:
           writer.write(step + 1, {"val_loss": final["val_loss"]})
           t0 = time.perf_counter()  # evaluation is not training time
         advance(1, None)
+        if self.checkpoints is not None and (
+            self.checkpoints.should_save(step + 1) or last or preemption.requested):
+          self.save(step + 1)
+          heartbeat.beat()
+        if preemption.requested:
+          self.checkpoints.wait() if self.checkpoints is not None else None
+          writer.close()
+          print(f"preempted: stopped after step {step + 1}" + (
+              f", checkpoint saved in {self.checkpoints.directory}"
+              if self.checkpoints is not None else " (checkpointing is off)"))
+          return {**final, "preempted_at": step + 1}
+    if self.checkpoints is not None:
+      self.checkpoints.wait()
     writer.close()
     print(f"done: loss {final['loss']:.4f}, val_loss {final['val_loss']:.4f}; "
           f"TensorBoard/JSONL logs in {os.path.abspath(self.run_dir)}")
     return final
+
+  # ------------------------------------------------------------------ fault tolerance
+
+  def _init_guards(self) -> None:
+    c, r = self.config.checkpoint, self.config.runtime
+    # Commit the state to its devices: a restored state is committed, and jit keys its
+    # compiled program (and the persistent compilation cache) on that.
+    self.state = jax.device_put(self.state, jax.tree.map(lambda x: x.sharding, self.state))
+    self.checkpoints = None
+    if c.enabled:
+      self.checkpoints = checkpoint_lib.CheckpointManager(
+          c.dir or os.path.join(self.run_dir, "checkpoints"),
+          save_every=c.checkpoint_every_n_steps, keep=c.keep, keep_every=c.keep_every,
+          async_save=c.async_save)
+    self.skips = guards.SkipCounter(r.max_consecutive_skips)
+    self.watchdog = guards.DivergenceWatchdog(r.divergence_check_every if self.level.fp8_gemms
+                                              else 0, r.divergence_threshold)
+    self.fallback_reason: str | None = None
+    self._bf16_eval: dict[int, Any] = {}
+    self._writer = None
+
+  def _heartbeat(self):
+    r = self.config.runtime
+    if r.heartbeat_interval is None:
+      return contextlib.nullcontext(_NoHeartbeat())
+    return guards.Heartbeat(r.heartbeat_interval, r.heartbeat_tolerance)
+
+  def checkpoint_meta(self) -> dict:
+    """What a checkpoint holds besides the state: data position, config, guard records."""
+    return {"data": self.train_batches.state(), "config": config_to_dict(self.config),
+            "skipped_steps": self.skips.total, "bf16_fallback": self.fallback_reason}
+
+  def save(self, step: int) -> None:
+    """Starts an asynchronous checkpoint of the state after `step` steps."""
+    self.checkpoints.save(step, self.state, self.checkpoint_meta())
+
+  def resume(self, shardings=None) -> int:
+    """Restores the newest good checkpoint (state onto `shardings`, default: the current
+    state's; data position; guard records); returns its step (0: none found)."""
+    if self.checkpoints is None:
+      return 0
+    meta = self._peek_meta()
+    if meta is not None:
+      self._check_same_run(meta)
+    if meta is not None and meta.get("bf16_fallback"):
+      self.fall_back_to_bf16(meta["bf16_fallback"], record=False)
+    restored = self.checkpoints.restore(self.state, shardings)
+    if restored is None:
+      return 0
+    if restored.meta.get("bf16_fallback") and self.fallback_reason is None:
+      raise RuntimeError(f"checkpoint step {restored.step} ran with BF16 GEMMs but the newer "
+                         "damaged one did not; resume it explicitly")
+    self.state = restored.state
+    self.train_batches.restore(restored.meta["data"])
+    self.skips.total = int(restored.meta.get("skipped_steps", 0))
+    print(f"fp8jax train: resumed from step {restored.step} ({self.checkpoints.directory})")
+    return restored.step
+
+  def _check_same_run(self, meta: dict) -> None:
+    """Refuses to resume a checkpoint of another model or level (its state would not fit;
+    orbax would fail on every checkpoint)."""
+    saved = meta.get("config", {})
+    mine = config_to_dict(self.config)
+    for section, key in [("model", k) for k in mine["model"]] + [("train", "opt_level")]:
+      old = saved.get(section, {}).get(key, mine[section][key])
+      if old != mine[section][key]:
+        raise ValueError(
+            f"{section}.{key}={mine[section][key]!r} but the checkpoints in "
+            f"{self.checkpoints.directory} were written with {section}.{key}={old!r}; use "
+            f"the same value to resume, or another checkpoint.dir / auto_resume: false")
+
+  def _peek_meta(self) -> dict | None:
+    """The JSON metadata of the newest checkpoint (None when absent or unreadable)."""
+    step = self.checkpoints.latest_step()
+    if step is None:
+      return None
+    try:
+      with open(os.path.join(self.checkpoints.directory, str(step), "meta", "metadata")) as f:
+        return json.load(f)
+    except (OSError, ValueError):
+      return None
+
+  def _after_step(self, step: int, metrics: dict, bf16_loss, writer) -> None:
+    """Skip accounting (reload after K in a row) and the divergence check of step `step`."""
+    skipped = bool(metrics["skipped"])
+    if skipped:
+      logger.warning("step %d skipped: non-finite loss or gradients (%d skipped so far)",
+                     step, self.skips.total + 1)
+    if self.skips.update(skipped):
+      writer.write(step + 1, {"skipped_steps": self.skips.total})
+      self._reload_after_skips(step)
+    elif skipped:
+      writer.write(step + 1, {"skipped_steps": self.skips.total})
+    if bf16_loss is not None and not skipped:
+      reason = self.watchdog.check(step, float(metrics["loss"]), float(bf16_loss))
+      if reason is not None:
+        self.fall_back_to_bf16(reason)
+
+  def _reload_after_skips(self, step: int) -> None:
+    """Reloads model, FP8 and optimizer state from the newest checkpoint; the data position
+    stays where it is (the bad batches are not replayed)."""
+    limit = self.config.runtime.max_consecutive_skips
+    restored = self.checkpoints.restore(self.state) if self.checkpoints is not None else None
+    if restored is None:
+      raise RuntimeError(f"{limit} consecutive steps had non-finite loss or gradients (last: "
+                         f"step {step}) and there is no checkpoint to reload; enable "
+                         "checkpoint.checkpoint_every_n_steps or lower the learning rate")
+    now = jax.device_put(jnp.asarray(step + 1, jnp.int32), restored.state.step.sharding)
+    self.state = restored.state._replace(step=now)
+    logger.warning("%d consecutive non-finite steps: reloaded checkpoint step %d, continuing "
+                   "at step %d with the next batches", limit, restored.step, step + 1)
+
+  def _bf16_loss(self, state: TrainState, batch) -> jax.Array:
+    """Mean loss of `batch` with BF16 (O0) GEMMs and the same parameters, averaged over
+    microbatches like the train step's loss."""
+    n = batch.shape[0] // self.config.train.microbatch_size
+    if n not in self._bf16_eval:
+      model = GPT(self.model_config, None)
+
+      def loss(params, batch):
+        parts = batch.reshape(n, -1, batch.shape[-1])
+        each = jax.lax.map(lambda b: cross_entropy(model.apply({"params": params}, b[:, :-1]),
+                                                   b[:, 1:]), parts)
+        return jnp.mean(each)
+      self._bf16_eval[n] = jax.jit(loss)
+    return self._bf16_eval[n](state.model_params(), batch)
+
+  def fall_back_to_bf16(self, reason: str, record: bool = True) -> None:
+    """Switches the run to BF16 (O0) GEMMs, keeping parameters and optimizer state; the
+    reason is logged, written to metrics.jsonl and saved with every later checkpoint."""
+    self.fallback_reason = reason
+    self.model = GPT(self.model_config, None)
+    self.state = self.state._replace(fp8={})
+    self._steps, self._health = {}, None
+    self._eval = jax.jit(make_eval_step(self.model.apply))
+    self.watchdog = guards.DivergenceWatchdog(0)
+    self.fp8_peak = False
+    if record:
+      logger.warning(reason)
+      print(f"fp8jax train: {reason}")
+      if self._writer is not None:
+        self._writer.write(int(self.state.step), {"bf16_fallback": 1.0})
+      with open(os.path.join(self.run_dir, "events.jsonl"), "a") as f:
+        f.write(json.dumps({"step": int(self.state.step), "event": "bf16_fallback",
+                            "reason": reason}) + "\n")
+
+
+class _NoHeartbeat:
+  def beat(self) -> None:
+    pass
 
 
 class _progress:

@@ -117,3 +117,24 @@ def read_jsonl(path: str) -> list[dict]:
   """The records of a metrics.jsonl file."""
   with open(path) as f:
     return [json.loads(line) for line in f if line.strip()]
+
+
+def drop_records_after(path: str, step: int) -> None:
+  """Rewrites a metrics.jsonl file without its records of steps > `step` (a resumed run
+  writes them again), so the file holds each step once."""
+  if not os.path.exists(path):
+    return
+  kept = []
+  with open(path) as f:
+    for line in f:
+      try:
+        record = json.loads(line)
+      except ValueError:  # a line cut short when the process was killed
+        continue
+      if record.get("step", 0) <= step:
+        kept.append(record)
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    for r in kept:
+      f.write(json.dumps(r) + "\n")
+  os.replace(tmp, path)
