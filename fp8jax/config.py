@@ -24,13 +24,12 @@ from typing import Any, Callable, Iterable
 
 import yaml
 
+from fp8jax.parallel.combine import WITHOUT_XLA_MEANING
 from fp8jax.recipe import OptLevel, Recipe, opt_level
 
 # Features that are not built yet: (key path, values that work now, what the other values need).
 # A value outside the second column is refused. Remove the line when the feature lands.
 NOT_BUILT_YET = (
-    ("parallel.reduce_bucket_size", (None,),
-     "collective-combine thresholds for gradient reduction"),
     ("parallel.tensor_parallel_size", (1,), "tensor parallelism"),
     ("parallel.pipeline_parallel_size", (1,), "pipeline parallelism"),
     ("parallel.device_map", (None,), "heterogeneous device placement"),
@@ -156,6 +155,9 @@ def _check_fields(obj) -> None:
 
 def _unknown_key(path: str, key: Any, value: Any, known: list[str]) -> ValueError:
   """The error for a key that `path` does not have, with the closest known key."""
+  if path == "parallel" and key in WITHOUT_XLA_MEANING:
+    return ValueError(f"parallel.{key}={_short(value)} is a DeepSpeed knob with no meaning "
+                      f"here: {WITHOUT_XLA_MEANING[key]}; remove it")
   close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
   hint = f"; did you mean {close[0]!r}?" if close else ";"
   where = path or "the config"
@@ -339,7 +341,8 @@ class ParallelSection(_Section):
   offload_optimizer: bool = False
   data_parallel_size: int = _field(-1, _MESH_SIZE)
   fsdp_size: int = _field(1, _MESH_SIZE)
-  reduce_bucket_size: int | None = _field(None, _ge(1))  # bytes
+  reduce_bucket_size: int | None = _field(None, _ge(1))  # bytes: XLA combine thresholds
+  allgather_bucket_size: int | None = _field(None, _ge(1))  # bytes (fp8jax.parallel.combine)
   tensor_parallel_size: int = _field(1, _ge(1))
   pipeline_parallel_size: int = _field(1, _ge(1))
   device_map: dict | str | None = None

@@ -3,6 +3,9 @@ per device fall as 1/N, the stage-3 weight all-gather moves 1-byte FP8 payloads,
 offload keeps state in host memory, bad meshes and stages give clear errors."""
 import os
 import re
+import socket
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +40,13 @@ def _setup(cfg=TINY, level=LEVEL):
     if np.dtype(level.master_dtype) != np.float32:
       params = fp8_optim.init_master(params, level.master_dtype)
     return TrainState(jnp.zeros((), jnp.int32), params, v.get(FP8_COLLECTION, {}), opt_state)
-  return model, tx, init
+  return model, tx, jax.jit(init)
+
+
+def batches(seed: int) -> list:
+  """STEPS batches int32[BATCH, SEQ + 1] of random tokens."""
+  keys = jax.random.split(jax.random.key(seed), STEPS)
+  return [np.asarray(jax.random.randint(k, (BATCH, SEQ + 1), 0, 256), np.int32) for k in keys]
 
 
 def _flat(params) -> np.ndarray:
@@ -48,37 +57,51 @@ def _rel(a, b) -> float:
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def _kernels_through_e4m3(params):
+  """Every kernel rounded to E4M3 with its own scale (per layer when stacked), gradients
+  straight through: what stage 3's FP8 all-gather does to the weights (all tiny kernels
+  shard over 8 devices)."""
+  def round_trip(x):
+    q = fp8_optim.quantize_scaled(x, jnp.float8_e4m3fn)
+    return fp8_optim.dequantize_scaled(q, x.dtype)
+
+  def one(path, x):
+    if jax.tree_util.keystr(path).endswith("['kernel']"):
+      rt = jax.vmap(round_trip)(x) if x.ndim >= 3 else round_trip(x)
+      return x + jax.lax.stop_gradient(rt - x)
+    return x
+  return jax.tree_util.tree_map_with_path(one, params)
+
+
 @pytest.fixture(scope="module")
 def runs():
   """Two steps of the tiny decoder at O3 on fresh random tokens: single device (plain, and
-  with stage 3's FP8 weight round trip), and ZeRO 1/2/3 (+ offload) on 8 devices."""
+  with stage 3's FP8 weight round trip), and ZeRO 1, 2 and 3 (optimizer offloaded) on 8
+  devices."""
   seed = int(os.environ.get("FP8JAX_TEST_SEED", np.random.SeedSequence().entropy % (1 << 31)))
   print(f"runs: seed {seed}")
-  keys = jax.random.split(jax.random.key(seed), STEPS)
-  batches = [np.asarray(jax.random.randint(k, (BATCH, SEQ + 1), 0, 256), np.int32) for k in keys]
+  batches_ = batches(seed)
   model, tx, init = _setup()
-  out = {"init": _flat(init().model_params())}
+  out = {"init": _flat(init().model_params()), "seed": seed}
 
   def single(gather=None):
     step = jax.jit(make_train_step(model.apply, tx, MICROBATCHES, gather_params=gather))
     state, metrics = init(), []
-    for b in batches:
+    for b in batches_:
       state, m = step(state, b)
       metrics.append(jax.device_get(m))
     return _flat(state.model_params()), metrics
 
   out["ref"] = single()
-  one = parallel.make_mesh(devices=jax.devices()[:1])
-  out["ref_fp8_gather"] = single(lambda p: parallel.gather_params(
-      p, one, fp8_kernels=True, payload_dtype=np.float16))
+  out["ref_fp8_gather"] = single(_kernels_through_e4m3)
   mesh = parallel.make_mesh(data=4, fsdp=2)
-  for stage, offload in ((1, False), (2, False), (3, False), (2, True)):
+  for stage, offload in ((1, False), (2, False), (3, True)):
     plan = parallel.plan(init(), mesh, stage, level=LEVEL, offload=offload)
     state = plan.shard_state(init())
     step = plan.train_step(model.apply, tx, MICROBATCHES).lower(
-        state, plan.shard_batch(batches[0])).compile()
+        state, plan.shard_batch(batches_[0])).compile()
     metrics = []
-    for b in batches:
+    for b in batches_:
       state, m = step(state, plan.shard_batch(b))
       metrics.append(jax.device_get(m))
     out[(stage, offload)] = (_flat(parallel.to_host(state.model_params())), metrics, state,
@@ -89,7 +112,7 @@ def runs():
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_steps_match_single_device(runs, stage):
   p0, (ref, ref_m) = runs["init"], runs["ref"]
-  got, got_m, state, _ = runs[(stage, False)]
+  got, got_m, state, _ = runs[(stage, stage == 3)]
   assert np.isfinite(got).all() and np.linalg.norm(ref - p0) > 0
   update_err = _rel(got - p0, ref - p0)
   if stage < 3:  # same math, other summation order
@@ -110,7 +133,7 @@ def _sharded_leaves(tree):
 
 
 def test_stage_layouts(runs):
-  s1, s3 = runs[(1, False)][2], runs[(3, False)][2]
+  s1, s3 = runs[(1, False)][2], runs[(3, True)][2]
   assert not _sharded_leaves(s1.params) and _sharded_leaves(s1.opt_state)
   assert _sharded_leaves(s3.params) and _sharded_leaves(s3.opt_state)
   for tree in (s3.fp8, s3.step):
@@ -118,10 +141,10 @@ def test_stage_layouts(runs):
 
 
 def test_stage3_gathers_kernels_as_one_byte_payloads(runs):
-  hlo = runs[(3, False)][3]
+  hlo = runs[(3, True)][3]
   gathers = re.findall(r"= (\w+)\[([\d,]*)\][^ ]* all-gather\(", hlo)
   kernel_shapes = {tuple(np.shape(x)) for path, x in jax.tree_util.tree_flatten_with_path(
-      runs[(3, False)][2].params)[0] if "kernel" in jax.tree_util.keystr(path)}
+      runs[(3, True)][2].params)[0] if "kernel" in jax.tree_util.keystr(path)}
   by_shape = {}
   for dtype, dims in gathers:
     by_shape.setdefault(tuple(int(d) for d in dims.split(",") if d), set()).add(dtype)
@@ -134,14 +157,14 @@ def test_stage3_gathers_kernels_as_one_byte_payloads(runs):
 
 
 def test_offloaded_optimizer_state_lives_in_host_memory(runs):
-  got, _, state, _ = runs[(2, True)]
+  state = runs[(3, True)][2]  # its numbers are checked in test_zero_steps_match_single_device
   kinds = {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)}
   assert kinds == {"pinned_host"}
   assert all(s.data.sharding.memory_kind == "pinned_host"
              for x in jax.tree.leaves(state.opt_state) for s in x.addressable_shards)
   assert {x.sharding.memory_kind for x in jax.tree.leaves(state.params)} == {"device"}
-  p0, same = runs["init"], runs[(2, False)][0]
-  assert _rel(got - p0, same - p0) < 1e-6
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(runs[(2, False)][2].opt_state)} == \
+      {"device"}
 
 
 def test_state_bytes_per_device_fall_as_one_over_n():
@@ -221,3 +244,76 @@ def test_config_o3_uses_zero_stage_one():
   assert load_config(None, ["train.opt_level=O3"]).zero_stage() == 1
   assert load_config(None, ["train.opt_level=O3", "parallel.zero_stage=3"]).zero_stage() == 3
   assert load_config(None, ["parallel.zero_stage=2"]).zero_stage() == 2
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [2, 4])
+def test_multi_process_zero3_matches_single_process(runs, tmp_path, processes):
+  """`processes` local processes x 2 CPU devices under jax.distributed (gloo) run the same
+  ZeRO-3 steps as the single-process runs."""
+  out = tmp_path / "params.npy"
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
+         "JAX_PLATFORMS": "cpu", "FP8JAX_COORDINATOR": f"127.0.0.1:{_free_port()}",
+         "FP8JAX_NUM_PROCESSES": str(processes)}
+  worker = os.path.join(ROOT, "tests", "zero_worker.py")
+  procs = [subprocess.Popen([sys.executable, worker, str(runs["seed"]), str(out)],
+                            env={**env, "FP8JAX_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for i in range(processes)]
+  logs = []
+  try:
+    for p in procs:
+      logs.append(p.communicate(timeout=300)[0])
+  finally:
+    for p in procs:
+      p.kill()
+  assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+  assert f"process 0 of {processes}: mesh data={2 * processes}" in logs[0]
+  p0, got = runs["init"], np.load(out)
+  single = runs[(3, True)][0]
+  assert _rel(got - p0, single - p0) < 0.05
+  assert _rel(got - p0, runs["ref_fp8_gather"][0] - p0) < 0.05
+
+
+def test_bucket_sizes_become_valid_xla_combine_options():
+  opts = parallel.combine.combine_options(reduce_bucket_size=2**20, allgather_bucket_size=2**19)
+  assert opts == {"xla_gpu_all_reduce_combine_threshold_bytes": 2**20,
+                  "xla_gpu_reduce_scatter_combine_threshold_bytes": 2**20,
+                  "xla_gpu_all_gather_combine_threshold_bytes": 2**19}
+  assert float(jax.jit(lambda x: 2 * x, compiler_options=opts)(1.5)) == 3.0  # XLA knows them
+  with pytest.raises(ValueError, match=r"reduce_bucket_size=0 is not allowed; use a number of "):
+    parallel.combine.combine_options(reduce_bucket_size=0)
+
+
+@pytest.mark.parametrize("knob", ["overlap_comm", "stage3_prefetch_bucket_size"])
+def test_deepspeed_knobs_without_xla_meaning_are_refused(knob):
+  with pytest.raises(ValueError, match=rf"parallel.{knob}=.* is a DeepSpeed knob with no "
+                                       rf"meaning here: .*; remove it"):
+    load_config(None, [f"parallel.{knob}=true"])
+
+
+def test_trainer_runs_o3_sharded_with_offload(tmp_path):
+  from fp8jax.train.loop import Trainer
+  overrides = ["train.opt_level=O3", "parallel.zero_stage=3", "parallel.offload_optimizer=true",
+               "parallel.reduce_bucket_size=1048576", "parallel.fsdp_size=2",
+               "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64",
+               "data.seq_len=8", "data.max_bytes=200000", "train.steps=2", "train.batch_size=16",
+               "train.eval_batches=1", "train.fp8_health_every=0", "train.log_every=1",
+               "train.warmup_steps=0", f"runtime.run_dir={tmp_path}/{{name}}"]
+  trainer = Trainer(load_config(None, overrides), progress=False)
+  assert dict(trainer.zero.mesh.shape) == {"data": 4, "fsdp": 2, "tensor": 1}
+  assert trainer.zero.compiler_options["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 2**20
+  final = trainer.run()
+  assert np.isfinite(final["loss"]) and np.isfinite(final["val_loss"])
+  state = trainer.state
+  assert int(state.step) == 2
+  assert {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)} == {"pinned_host"}
+  assert _sharded_leaves(state.params)

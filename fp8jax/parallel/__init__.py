@@ -10,12 +10,15 @@ offload, and ``initialize()`` for multi-host runs.
   FP8JAX_* variables ``fp8jax launch`` sets, cluster auto-detection, or single process).
 * :mod:`fp8jax.parallel.combine`: ``reduce_bucket_size`` -> XLA combine-threshold flags.
 """
+from fp8jax.parallel.distributed import initialize
+from fp8jax.parallel import combine
 from fp8jax.parallel.mesh import AXES, DATA, FSDP, TENSOR, describe, device_kinds, make_mesh, \
     mesh_from_config, mesh_shape
 from fp8jax.parallel.zero import STAGES, ZERO_AXES, ZeroPlan, batch_sharding, device_bytes, \
     gather_params, plan, reduce_gradients, shard_spec, state_shardings, to_host
 
 __all__ = [
+    "combine", "initialize",
     "AXES", "DATA", "FSDP", "TENSOR", "describe", "device_kinds", "make_mesh",
     "mesh_from_config", "mesh_shape",
     "STAGES", "ZERO_AXES", "ZeroPlan", "batch_sharding", "device_bytes", "gather_params",

@@ -37,6 +37,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fp8jax.optim.scaled import quantize_scaled
+from fp8jax.parallel.combine import combine_options
 from fp8jax.parallel.mesh import DATA, FSDP
 from fp8jax.train.state import TrainState
 from fp8jax.train.step import make_train_step
@@ -178,7 +179,9 @@ def gather_params(params, mesh: Mesh, *, fp8_kernels: bool, payload_dtype=None,
       dtype, FP16 at O2/O3), or None to gather them as they are.
   """
   def one(path, x):
-    if not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim == 0:
+    if shard_spec(x.shape, mesh, axes) == P():  # replicated already: nothing to gather
+      return x
+    if not jnp.issubdtype(x.dtype, jnp.floating):
       return _gather_leaf(x, mesh, axes, None)
     if fp8_kernels and _leaf_name(path) == "kernel":
       return _gather_leaf(x, mesh, axes, FP8_GATHER_DTYPE)
@@ -206,6 +209,7 @@ class ZeroPlan:
     offload: optimizer state kept in host memory between steps.
     fp8_gather: stage 3 gathers FP8 kernels in E4M3 + scale.
     payload_dtype: dtype other stage-3 parameters are gathered in (None: as stored).
+    compiler_options: XLA compile options of the step (``combine.combine_options``).
   """
 
   mesh: Mesh
@@ -216,6 +220,7 @@ class ZeroPlan:
   offload: bool = False
   fp8_gather: bool = False
   payload_dtype: Any = None
+  compiler_options: dict | None = None
 
   def shard_state(self, state: TrainState) -> TrainState:
     """`state` (same value on every process) placed on the mesh."""
@@ -252,16 +257,20 @@ class ZeroPlan:
 
     metrics = NamedSharding(mesh, P())
     return jax.jit(sharded_step, in_shardings=(self.state, self.batch),
-                   out_shardings=(self.state, metrics), donate_argnums=0 if donate else ())
+                   out_shardings=(self.state, metrics), donate_argnums=0 if donate else (),
+                   compiler_options=self.compiler_options or None)
 
 
 def plan(state: TrainState, mesh: Mesh, stage: int, *, level=None, offload: bool = False,
-         axes: Sequence[str] = ZERO_AXES) -> ZeroPlan:
+         axes: Sequence[str] = ZERO_AXES, reduce_bucket_size: int | None = None,
+         allgather_bucket_size: int | None = None) -> ZeroPlan:
   """The :class:`ZeroPlan` of `state` for ZeRO `stage` on `mesh`.
 
   `level` (an ``fp8jax.OptLevel``) decides how stage 3 gathers: FP8 kernels when it has FP8
-  GEMMs, other parameters in its master dtype when that is narrower than f32.
+  GEMMs, other parameters in its master dtype when that is narrower than f32. The bucket
+  sizes (bytes) become XLA combine thresholds (:mod:`fp8jax.parallel.combine`).
   """
+  options = combine_options(reduce_bucket_size, allgather_bucket_size)
   axes = _check_axes(mesh, axes)
   shardings = state_shardings(state, mesh, stage, axes=axes, offload=offload)
   fp8_gather = level is not None and level.fp8_gemms
@@ -269,7 +278,7 @@ def plan(state: TrainState, mesh: Mesh, stage: int, *, level=None, offload: bool
   if level is not None and np.dtype(level.master_dtype).itemsize < 4:
     payload = np.dtype(level.master_dtype)
   return ZeroPlan(mesh, check_stage(stage), shardings, batch_sharding(mesh), axes, offload,
-                  fp8_gather, payload)
+                  fp8_gather, payload, options)
 
 
 def device_bytes(tree) -> dict:

@@ -77,8 +77,10 @@ class Trainer:
     from fp8jax import parallel
     mesh = parallel.mesh_from_config(self.config.parallel)
     logger.info("%s; ZeRO stage %d", parallel.describe(mesh), stage)
-    return parallel.plan(self.state, mesh, stage, level=self.level,
-                         offload=self.config.parallel.offload_optimizer)
+    p = self.config.parallel
+    return parallel.plan(self.state, mesh, stage, level=self.level, offload=p.offload_optimizer,
+                         reduce_bucket_size=p.reduce_bucket_size,
+                         allgather_bucket_size=p.allgather_bucket_size)
 
   def step_fn(self, microbatches: int):
     """The jitted train step for `microbatches` microbatches (one compile per count)."""
