@@ -3,10 +3,13 @@
 
   python benchmarks/zero_gpu.py [--config configs/gpt_1_3b.yaml] [--steps 10] [--set k=v ...]
 
+GPU command (2 x H200): python benchmarks/zero_gpu.py --set data.max_bytes=16777216
+
 Each level runs in its own subprocess (so peak memory is that level's own): one warm-up
 step (compilation), then `--steps` timed steps (median, host clock around a blocking step).
-Per level: tokens/s over all devices, ratio to O0, peak memory on device 0 (GiB), state bytes
-per device, and the bytes the compiled step's collectives move per step and device kind
+Per level: tokens/s over all devices, ratio to O0, peak memory on device 0 (GiB), state MiB
+per device (parameters + optimizer state), and the MiB the compiled step's collectives move
+per step and device, by op and dtype
 (result sizes from the optimized HLO; ops inside a loop with a known trip count counted that
 many times).
 """
@@ -106,7 +109,7 @@ def run_level(config: str, level: str, overrides: list[str], steps: int) -> dict
   tokens = batch.shape[0] * (batch.shape[1] - 1)
   return {"level": level, "ms": 1e3 * float(np.median(times)),
           "tokens_per_s": tokens / float(np.median(times)), "loss": float(m["loss"]),
-          "state_gib_per_device": state_bytes / 2**30, "collectives": comm,
+          "state_mib_per_device": state_bytes / 2**20, "collectives": comm,
           "devices": len(jax.devices()), "mesh": parallel.describe(plan.mesh),
           **metrics_lib.memory_in_use()}
 
@@ -124,6 +127,11 @@ def main():
     return
   env = {**os.environ, "PYTHONPATH": os.pathsep.join(
       filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+  # NVLink multicast off (as benchmarks/run_gpu.sh), no preallocation (honest peak memory),
+  # cuBLAS(Lt) for every GEMM (README's GPU notes); each unless already set.
+  for k, v in (("NCCL_NVLS_ENABLE", "0"), ("XLA_PYTHON_CLIENT_PREALLOCATE", "false"),
+               ("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=false")):
+    env.setdefault(k, v)
   rows = []
   for level in a.levels.split(","):
     cmd = [sys.executable, __file__, "--one", level, "--config", a.config, "--steps",
@@ -136,16 +144,16 @@ def main():
   print(f"{rows[0]['mesh']}; ZeRO stage 3")
   base = rows[0]["tokens_per_s"]
   print(f"\n{'level':6s} {'ms/step':>9s} {'tokens/s':>11s} {'ratio':>6s} {'peak GiB':>9s} "
-        f"{'state GiB/dev':>13s} {'comm GiB/step':>13s} {'loss':>7s}")
+        f"{'state MiB/dev':>13s} {'comm MiB/step':>13s} {'loss':>7s}")
   for r in rows:
     peak = f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else "n/a"
-    comm = sum(r["collectives"].values()) / 2**30
+    comm = sum(r["collectives"].values()) / 2**20
     print(f"{r['level']:6s} {r['ms']:9.1f} {r['tokens_per_s']:11,.0f} "
-          f"{r['tokens_per_s'] / base:6.2f} {peak:>9s} {r['state_gib_per_device']:13.3f} "
-          f"{comm:13.3f} {r['loss']:7.3f}")
-  print("\ncollective bytes per step and device (GiB), by op and dtype:")
+          f"{r['tokens_per_s'] / base:6.2f} {peak:>9s} {r['state_mib_per_device']:13.1f} "
+          f"{comm:13.1f} {r['loss']:7.3f}")
+  print("\ncollective bytes per step and device (MiB), by op and dtype:")
   for r in rows:
-    parts = ", ".join(f"{k}: {v / 2**30:.3f}" for k, v in sorted(r["collectives"].items()))
+    parts = ", ".join(f"{k}: {v / 2**20:.1f}" for k, v in sorted(r["collectives"].items()))
     print(f"  {r['level']}: {parts}")
 
 
