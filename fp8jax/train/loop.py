@@ -27,8 +27,9 @@ logger = logging.getLogger("fp8jax")
 
 
 class Trainer:
-  """Trains the reference decoder as `config` says (levels O0/O1 until the FP8 optimizer and
-  ZeRO land; config.py refuses the rest)."""
+  """Trains the reference decoder as `config` says: on one device, or over all devices with
+  the ZeRO plan of ``fp8jax.parallel`` when a ZeRO stage is set (level O3: at least 1) or the
+  run has several processes."""
 
   def __init__(self, config: Config, progress: bool = True):
     self.config, self.progress = config, progress
