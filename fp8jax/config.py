@@ -24,16 +24,12 @@ from typing import Any, Callable, Iterable
 
 import yaml
 
+from fp8jax.parallel.combine import WITHOUT_XLA_MEANING
 from fp8jax.recipe import OptLevel, Recipe, opt_level
 
 # Features that are not built yet: (key path, values that work now, what the other values need).
 # A value outside the second column is refused. Remove the line when the feature lands.
 NOT_BUILT_YET = (
-    ("train.opt_level", ("O0", "O1", "O2"), "ZeRO sharding with FP8 weight all-gather (O3)"),
-    ("parallel.zero_stage", (0,), "ZeRO sharding"),
-    ("parallel.offload_optimizer", (False,), "ZeRO optimizer offload"),
-    ("parallel.reduce_bucket_size", (None,),
-     "collective-combine thresholds for gradient reduction"),
     ("parallel.tensor_parallel_size", (1,), "tensor parallelism"),
     ("parallel.pipeline_parallel_size", (1,), "pipeline parallelism"),
     ("parallel.device_map", (None,), "heterogeneous device placement"),
@@ -156,6 +152,9 @@ def _check_fields(obj) -> None:
 
 def _unknown_key(path: str, key: Any, value: Any, known: list[str]) -> ValueError:
   """The error for a key that `path` does not have, with the closest known key."""
+  if path == "parallel" and key in WITHOUT_XLA_MEANING:
+    return ValueError(f"parallel.{key}={_short(value)} is a DeepSpeed knob with no meaning "
+                      f"here: {WITHOUT_XLA_MEANING[key]}; remove it")
   close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.6)
   hint = f"; did you mean {close[0]!r}?" if close else ";"
   where = path or "the config"
@@ -326,16 +325,30 @@ class Fp8Section(_Section):
     return Recipe(**dataclasses.asdict(self))
 
 
+_MESH_SIZE = _Rule(lambda v: v == -1 or v >= 1, "an integer >= 1, or -1 (fill the devices)")
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelSection(_Section):
-  """Sharding and parallelism (DeepSpeed's names). Only the defaults work now."""
+  """Sharding and parallelism (DeepSpeed's names; ``fp8jax.parallel``). Mesh axes data x
+  fsdp x tensor (one size may be -1: the devices left); ZeRO stage 0..3 (level O3 uses at
+  least 1); `offload_optimizer` keeps the optimizer state in host memory (needs a stage)."""
   _path = "parallel"
   zero_stage: int = _field(0, _one_of(0, 1, 2, 3))
   offload_optimizer: bool = False
-  reduce_bucket_size: int | None = _field(None, _ge(1))  # bytes
+  data_parallel_size: int = _field(-1, _MESH_SIZE)
+  fsdp_size: int = _field(1, _MESH_SIZE)
+  reduce_bucket_size: int | None = _field(None, _ge(1))  # bytes: XLA combine thresholds
+  allgather_bucket_size: int | None = _field(None, _ge(1))  # bytes (fp8jax.parallel.combine)
   tensor_parallel_size: int = _field(1, _ge(1))
   pipeline_parallel_size: int = _field(1, _ge(1))
   device_map: dict | str | None = None
+
+  def _check(self):
+    fill = [n for n in ("data_parallel_size", "fsdp_size") if getattr(self, n) == -1]
+    if len(fill) > 1:
+      _fail(f"parallel.{fill[0]}=-1 and parallel.{fill[1]}=-1 are not allowed together; "
+            f"at most one mesh size may be -1 (fill)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,6 +418,7 @@ class Config(_Section):
 
   def _check(self):
     self._check_data_fits_model()
+    self._check_offload()
     if self.train.batch_ramp is not None:
       self._check_ramp()
     _refuse_unbuilt(self)
@@ -416,6 +430,15 @@ class Config(_Section):
     if self.data.is_text and self.model.vocab_size < BYTE_VOCAB:
       _fail(f"model.vocab_size={self.model.vocab_size} is too small for byte-level text "
             f"(data.source={self.data.source!r}); use vocab_size >= {BYTE_VOCAB}")
+
+  def zero_stage(self) -> int:
+    """The ZeRO stage the run uses: parallel.zero_stage, at least the level's (O3: 1)."""
+    return max(self.parallel.zero_stage, opt_level(self.train.opt_level).zero_stage)
+
+  def _check_offload(self):
+    if self.parallel.offload_optimizer and self.zero_stage() == 0:
+      _fail("parallel.offload_optimizer=True is not allowed with parallel.zero_stage=0 at "
+            f"train.opt_level={self.train.opt_level}; use zero_stage 1, 2 or 3 (or level O3)")
 
   def _check_ramp(self):
     """Ramp rule: the microbatch shape is fixed (train.batch_size / train.microbatches

@@ -58,7 +58,8 @@ def test_cli_train_writes_logs_and_plot(tmp_path, capsys):
 
 def test_cli_train_refuses_a_bad_config_with_a_clear_message(tmp_path):
   result = subprocess.run([sys.executable, "-m", "fp8jax.cli", "train", "--config", TINY,
-                           "--set", "parallel.zero_stage=2"], capture_output=True, text=True,
-                          timeout=300, cwd=tmp_path)
+                           "--set", "parallel.tensor_parallel_size=2"], capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
   assert result.returncode != 0
-  assert "parallel.zero_stage=2" in result.stderr and "not supported yet" in result.stderr
+  assert "parallel.tensor_parallel_size=2" in result.stderr
+  assert "not supported yet" in result.stderr

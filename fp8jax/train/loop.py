@@ -31,8 +31,9 @@ logger = logging.getLogger("fp8jax")
 
 
 class Trainer:
-  """Trains the reference decoder as `config` says (levels O0/O1 until the FP8 optimizer and
-  ZeRO land; config.py refuses the rest)."""
+  """Trains the reference decoder as `config` says: on one device, or over all devices with
+  the ZeRO plan of ``fp8jax.parallel`` when a ZeRO stage is set (level O3: at least 1) or the
+  run has several processes."""
 
   def __init__(self, config: Config, progress: bool = True):
     self.config, self.progress = config, progress
@@ -50,6 +51,9 @@ class Trainer:
                              weight_decay=t.weight_decay, clip_norm=t.gradient_clipping,
                              level=self.level)
     self.state = self._init_state()
+    self.zero = self._zero_plan()  # None: single device, as before
+    if self.zero is not None:
+      self.state = self.zero.shard_state(self.state)
     self._steps: dict[int, Any] = {}
     self._eval = jax.jit(make_eval_step(self.model.apply))
     self._health = jax.jit(lambda variables, batch: fp8_cast_health(
@@ -70,8 +74,25 @@ class Trainer:
     return TrainState(jnp.zeros((), jnp.int32), params, variables.get(FP8_COLLECTION, {}),
                       opt_state)
 
+  def _zero_plan(self):
+    """The ZeRO plan over all devices when the run shards (stage > 0) or has several
+    processes; None for the single-device path."""
+    stage = self.config.zero_stage()
+    if stage == 0 and jax.process_count() == 1:
+      return None
+    from fp8jax import parallel
+    mesh = parallel.mesh_from_config(self.config.parallel)
+    logger.info("%s; ZeRO stage %d", parallel.describe(mesh), stage)
+    p = self.config.parallel
+    return parallel.plan(self.state, mesh, stage, level=self.level, offload=p.offload_optimizer,
+                         reduce_bucket_size=p.reduce_bucket_size,
+                         allgather_bucket_size=p.allgather_bucket_size)
+
   def step_fn(self, microbatches: int):
     """The jitted train step for `microbatches` microbatches (one compile per count)."""
+    if microbatches not in self._steps and self.zero is not None:
+      step = self.zero.train_step(self.model.apply, self.tx, microbatches)
+      self._steps[microbatches] = lambda state, batch: step(state, self.zero.shard_batch(batch))
     if microbatches not in self._steps:
       self._steps[microbatches] = jax.jit(guards.skip_nonfinite_steps(
           make_train_step(self.model.apply, self.tx, microbatches)), donate_argnums=0)
@@ -86,7 +107,8 @@ class Trainer:
     """Mean validation loss over `eval_batches` fixed batches (the same ones every time)."""
     t, d = self.config.train, self.config.data
     val = self.data.batches("val", t.microbatch_size, d.seq_len, seed=d.seed)
-    losses = [float(self._eval(self.state, val.next())) for _ in range(t.eval_batches)]
+    put = self.zero.shard_batch if self.zero is not None else (lambda b: b)
+    losses = [float(self._eval(self.state, put(val.next()))) for _ in range(t.eval_batches)]
     return float(np.mean(losses))
 
   def _log_window(self, step, losses, tokens, seconds, grad_norm) -> dict:

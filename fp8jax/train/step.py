@@ -30,20 +30,34 @@ def _loss(apply_fn: Callable, variables, batch):
   return cross_entropy(apply_fn(variables, batch[:, :-1]), batch[:, 1:])
 
 
-def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microbatches: int = 1):
+def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microbatches: int = 1,
+                    *, gather_params: Callable | None = None,
+                    reduce_gradients: Callable | None = None):
   """A jittable ``step(state, batch) -> (state, metrics)``.
 
   Args:
     apply_fn: ``apply_fn(variables, tokens[B, T]) -> logits[B, T, V]``.
     tx: the optimizer (including clipping); it sees parameters only.
     microbatches: equal parts the batch is split into (must divide its first dimension).
+    gather_params: optional ``params -> params`` applied before the forward (ZeRO-3's weight
+      all-gather, ``fp8jax.parallel.zero``); differentiable.
+    reduce_gradients: optional ``grads -> grads`` applied to each microbatch's parameter
+      gradients (ZeRO's all-reduce / reduce-scatter layout).
   Metrics: loss (mean over the batch), grad_norm (before clipping).
   """
   if microbatches < 1:
     raise ValueError(f"microbatches={microbatches!r} is not allowed; use an integer >= 1")
 
+  def loss_of(variables, batch):
+    if gather_params is not None:
+      variables = {**variables, "params": gather_params(variables["params"])}
+    return _loss(apply_fn, variables, batch)
+
   def grads(state: TrainState, batch):
-    return jax.value_and_grad(lambda v: _loss(apply_fn, v, batch))(state.variables())
+    loss, g = jax.value_and_grad(loss_of)(state.variables(), batch)
+    if reduce_gradients is not None:
+      g = {**g, "params": reduce_gradients(g["params"])}
+    return loss, g
 
   def step(state: TrainState, batch):
     if batch.shape[0] % microbatches:

@@ -1,0 +1,26 @@
+"""Sharded and multi-process training: the device mesh, ZeRO stages 1-3 with optimizer
+offload, and ``initialize()`` for multi-host runs.
+
+* :mod:`fp8jax.parallel.mesh`: :func:`make_mesh` (axes "data", "fsdp", "tensor"; -1 fills),
+  :func:`mesh_from_config`, :func:`device_kinds`, :func:`describe`.
+* :mod:`fp8jax.parallel.zero`: :func:`state_shardings`, :func:`plan` -> :class:`ZeroPlan`
+  (sharded state, batch, jitted train step), :func:`gather_params` (FP8 weight all-gather),
+  :func:`reduce_gradients` (the hook FP8 gradient collectives plug into).
+* :mod:`fp8jax.parallel.distributed`: :func:`initialize` (explicit arguments, the
+  FP8JAX_* variables ``fp8jax launch`` sets, cluster auto-detection, or single process).
+* :mod:`fp8jax.parallel.combine`: ``reduce_bucket_size`` -> XLA combine-threshold flags.
+"""
+from fp8jax.parallel.distributed import initialize
+from fp8jax.parallel import combine
+from fp8jax.parallel.mesh import AXES, DATA, FSDP, TENSOR, describe, device_kinds, make_mesh, \
+    mesh_from_config, mesh_shape
+from fp8jax.parallel.zero import STAGES, ZERO_AXES, ZeroPlan, batch_sharding, device_bytes, \
+    gather_params, plan, reduce_gradients, shard_spec, state_shardings, to_host
+
+__all__ = [
+    "combine", "initialize",
+    "AXES", "DATA", "FSDP", "TENSOR", "describe", "device_kinds", "make_mesh",
+    "mesh_from_config", "mesh_shape",
+    "STAGES", "ZERO_AXES", "ZeroPlan", "batch_sharding", "device_bytes", "gather_params",
+    "plan", "reduce_gradients", "shard_spec", "state_shardings", "to_host",
+]

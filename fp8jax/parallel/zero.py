@@ -1,0 +1,301 @@
+"""ZeRO stages 1/2/3 as shardings of the train state, for a ``jax.jit`` step over a mesh.
+
+What each stage shards over the ZeRO axes (default ``("data", "fsdp")``: every data-parallel
+rank, as DeepSpeed does; pass ``axes=("fsdp",)`` to shard within the fsdp axis only and
+replicate across "data", i.e. hybrid sharding):
+
+* stage 0: nothing; plain data parallelism (batch sharded, gradients all-reduced).
+* stage 1: optimizer state. Gradients are all-reduced, each rank updates its slice, the
+  updated parameters are all-gathered.
+* stage 2: also gradients: each microbatch's gradients are constrained to the sharded layout,
+  so XLA reduce-scatters instead of all-reducing and the accumulators are 1/N.
+* stage 3: also the (master) parameters. The forward all-gathers them: kernels of FP8 GEMMs
+  (levels O1..O3) travel as E4M3 with an f32 scale (per tensor, per layer when stacked under a
+  scan), 1 byte per parameter; other parameters travel in the master payload dtype (FP16 with
+  a power-of-two scale at O2/O3, which is lossless) or as they are stored (f32 at O0/O1). The
+  backward pass is straight-through: the gathered weight's gradient is reduce-scattered.
+  The FP8 dot then casts the gathered kernel again with its own (delayed) scale: the weight
+  sees two E4M3 roundings per step instead of one (within FP8 tolerance, see the tests).
+
+Rule per array: shard the largest dimension divisible by the product of the ZeRO axes' sizes
+(the first such on ties); replicate arrays where none divides, scalars, and the FP8 meta.
+The batch's first dimension is sharded over ("data", "fsdp").
+
+Optimizer offload keeps the optimizer state in host memory (``pinned_host``) between steps;
+the jitted step moves it to the device, updates it and moves it back.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from fp8jax.optim.scaled import quantize_scaled
+from fp8jax.parallel.combine import combine_options
+from fp8jax.parallel.mesh import DATA, FSDP
+from fp8jax.train.state import TrainState
+from fp8jax.train.step import make_train_step
+
+STAGES = (0, 1, 2, 3)
+ZERO_AXES = (DATA, FSDP)
+HOST_MEMORY = "pinned_host"
+FP8_GATHER_DTYPE = jnp.float8_e4m3fn
+
+
+def check_stage(stage) -> int:
+  if isinstance(stage, bool) or stage not in STAGES:
+    raise ValueError(f"ZeRO stage {stage!r} is not allowed; use one of {list(STAGES)}")
+  return int(stage)
+
+
+def _check_axes(mesh: Mesh, axes: Sequence[str]) -> tuple[str, ...]:
+  axes = tuple(axes)
+  missing = [a for a in axes if a not in mesh.shape]
+  if not axes or missing:
+    raise ValueError(f"ZeRO axes {list(axes)} are not allowed on a mesh with axes "
+                     f"{list(mesh.axis_names)}; use a non-empty subset of them")
+  return axes
+
+
+def shard_spec(shape: Sequence[int], mesh: Mesh, axes: Sequence[str] = ZERO_AXES) -> P:
+  """PartitionSpec sharding the largest dimension of `shape` divisible by the ZeRO axes' size
+  over `axes`; P() (replicated) when none divides or the size is 1."""
+  n = math.prod(mesh.shape[a] for a in axes)
+  dims = [i for i, d in enumerate(shape) if d % n == 0 and d > 0]
+  if n == 1 or not dims:
+    return P()
+  dim = max(dims, key=lambda i: (shape[i], -i))
+  spec: list[Any] = [None] * len(shape)
+  spec[dim] = tuple(axes)
+  return P(*spec)
+
+
+def sharded(tree, mesh: Mesh, axes: Sequence[str] = ZERO_AXES, memory_kind: str | None = None):
+  """NamedShardings, one per array leaf of `tree`, by :func:`shard_spec`."""
+  return jax.tree.map(
+      lambda x: NamedSharding(mesh, shard_spec(np.shape(x), mesh, axes), memory_kind=memory_kind),
+      tree)
+
+
+def replicated(tree, mesh: Mesh):
+  """A replicated NamedSharding per leaf of `tree`."""
+  return jax.tree.map(lambda _: NamedSharding(mesh, P()), tree)
+
+
+def state_shardings(state: TrainState, mesh: Mesh, stage: int, *,
+                    axes: Sequence[str] = ZERO_AXES, offload: bool = False) -> TrainState:
+  """A TrainState of NamedShardings for ZeRO `stage` (see the module docstring).
+
+  `offload` puts the optimizer state in host memory (needs stage >= 1).
+  """
+  stage, axes = check_stage(stage), _check_axes(mesh, axes)
+  if offload and stage == 0:
+    raise ValueError("offload_optimizer=True is not allowed with ZeRO stage 0; use stage 1, 2 "
+                     "or 3 (the offloaded optimizer state is the sharded one)")
+  params = sharded(state.params, mesh, axes) if stage >= 3 else replicated(state.params, mesh)
+  opt = (sharded(state.opt_state, mesh, axes, HOST_MEMORY if offload else None)
+         if stage >= 1 else replicated(state.opt_state, mesh))
+  return TrainState(NamedSharding(mesh, P()), params, replicated(state.fp8, mesh), opt)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Sequences (first dimension) sharded over ("data", "fsdp")."""
+  return NamedSharding(mesh, P((DATA, FSDP)))
+
+
+def _constrain(tree, mesh: Mesh, axes, shard: bool):
+  def one(x):
+    spec = shard_spec(x.shape, mesh, axes) if shard else P()
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+  return jax.tree.map(one, tree)
+
+
+def reduce_gradients(grads, mesh: Mesh, stage: int, axes: Sequence[str] = ZERO_AXES):
+  """Parameter gradients summed over the data-parallel ranks: all-reduced (stage <= 1) or
+  reduce-scattered to the ZeRO layout (stage >= 2), by constraining their sharding.
+
+  Hook: this is where FP8 gradient collectives (``fp8jax.parallel.collectives``) plug in;
+  here XLA chooses the collective and reduces in the gradients' own dtype.
+  """
+  return _constrain(grads, mesh, axes, shard=stage >= 2)
+
+
+def _replicate_bits(x, rep: NamedSharding):
+  """`x` constrained to `rep`, travelling as its raw bits (uint of its width).
+
+  XLA's CPU backend (and any backend without native FP8 arithmetic) widens FP8 ops, the
+  all-gather included, and the simplifier may move a convert across it; carrying the payload
+  as unsigned bits between optimization barriers pins a 1-byte (FP8) / 2-byte (FP16) gather.
+  """
+  bits = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
+  b = jax.lax.optimization_barrier(jax.lax.bitcast_convert_type(x, bits))
+  b = jax.lax.optimization_barrier(jax.lax.with_sharding_constraint(b, rep))
+  return jax.lax.bitcast_convert_type(b, x.dtype)
+
+
+def _gather_leaf(x, mesh: Mesh, axes, dtype):
+  """`x` replicated, travelling in `dtype` (None: as it is) with a straight-through gradient
+  that is reduce-scattered back to `x`'s ZeRO layout."""
+  rep = NamedSharding(mesh, P())
+  home = NamedSharding(mesh, shard_spec(x.shape, mesh, axes))
+
+  def value(x):
+    if dtype is None:
+      return jax.lax.with_sharding_constraint(x, rep)
+    quantize = lambda t: quantize_scaled(t, dtype, power_of_two=dtype != FP8_GATHER_DTYPE)
+    per_slice = x.ndim >= 3  # stacked over scanned layers: one scale per layer
+    q = jax.vmap(quantize)(x) if per_slice else quantize(x)
+    data = _replicate_bits(q.data, rep)
+    scale = q.scale.reshape(q.scale.shape + (1,) * (x.ndim - q.scale.ndim))
+    return (data.astype(jnp.float32) * scale).astype(x.dtype)
+
+  @jax.custom_vjp
+  def gather(x):
+    return value(x)
+
+  gather.defvjp(lambda x: (value(x), None),
+                lambda _, g: (jax.lax.with_sharding_constraint(g, home),))
+  return gather(x)
+
+
+def _leaf_name(path) -> str:
+  return str(getattr(path[-1], "key", path[-1])) if path else ""
+
+
+def gather_params(params, mesh: Mesh, *, fp8_kernels: bool, payload_dtype=None,
+                  axes: Sequence[str] = ZERO_AXES):
+  """Stage-3 forward weights: every leaf all-gathered (see the module docstring).
+
+  Args:
+    params: the model's parameters (decoded master weights), sharded.
+    fp8_kernels: gather leaves named "kernel" in E4M3 + scale (levels with FP8 GEMMs).
+    payload_dtype: dtype other float leaves travel in with a power-of-two scale (the master
+      dtype, FP16 at O2/O3), or None to gather them as they are.
+  """
+  def one(path, x):
+    if shard_spec(x.shape, mesh, axes) == P():  # replicated already: nothing to gather
+      return x
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      return _gather_leaf(x, mesh, axes, None)
+    if fp8_kernels and _leaf_name(path) == "kernel":
+      return _gather_leaf(x, mesh, axes, FP8_GATHER_DTYPE)
+    return _gather_leaf(x, mesh, axes, payload_dtype)
+  return jax.tree_util.tree_map_with_path(one, params)
+
+
+def _put(x, sharding: NamedSharding):
+  if jax.process_count() == 1:
+    return jax.device_put(x, sharding)
+  host = np.asarray(x)  # every process holds the same global value
+  return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+
+
+@dataclasses.dataclass(frozen=True)
+class ZeroPlan:
+  """How one train state is laid out and stepped over a mesh.
+
+  Attributes:
+    mesh: the device mesh.
+    stage: ZeRO stage 0..3.
+    state: TrainState of NamedShardings (see :func:`state_shardings`).
+    batch: NamedSharding of a batch int32[B, T+1].
+    axes: mesh axes the ZeRO state is sharded over.
+    offload: optimizer state kept in host memory between steps.
+    fp8_gather: stage 3 gathers FP8 kernels in E4M3 + scale.
+    payload_dtype: dtype other stage-3 parameters are gathered in (None: as stored).
+    compiler_options: XLA compile options of the step (``combine.combine_options``).
+  """
+
+  mesh: Mesh
+  stage: int
+  state: TrainState
+  batch: NamedSharding
+  axes: tuple[str, ...] = ZERO_AXES
+  offload: bool = False
+  fp8_gather: bool = False
+  payload_dtype: Any = None
+  compiler_options: dict | None = None
+
+  def shard_state(self, state: TrainState) -> TrainState:
+    """`state` (same value on every process) placed on the mesh."""
+    return jax.tree.map(_put, state, self.state)
+
+  def shard_batch(self, batch) -> jax.Array:
+    """A global batch int32[B, T+1] (same on every process) placed on the mesh."""
+    return _put(batch, self.batch)
+
+  def train_step(self, apply_fn: Callable, tx: optax.GradientTransformation,
+                 microbatches: int = 1, donate: bool = True):
+    """The jitted ``step(state, batch) -> (state, metrics)`` with this plan's shardings
+    (inputs sharded as :attr:`state` / :attr:`batch`; the state is donated)."""
+    mesh, axes = self.mesh, self.axes
+    gather = None
+    if self.stage >= 3:
+      gather = lambda p: gather_params(p, mesh, fp8_kernels=self.fp8_gather,
+                                       payload_dtype=self.payload_dtype, axes=axes)
+    reduce = None
+    if self.stage >= 1:
+      reduce = lambda g: reduce_gradients(g, mesh, self.stage, axes)
+    step = make_train_step(apply_fn, tx, microbatches, gather_params=gather,
+                           reduce_gradients=reduce)
+    host = self.state.opt_state
+
+    def sharded_step(state: TrainState, batch):
+      if self.offload:  # host -> device for the update
+        dev = jax.tree.map(lambda s: s.with_memory_kind("device"), host)
+        state = state._replace(opt_state=jax.device_put(state.opt_state, dev))
+      new, metrics = step(state, batch)
+      if self.offload:  # device -> host until the next step
+        new = new._replace(opt_state=jax.device_put(new.opt_state, host))
+      return new, metrics
+
+    metrics = NamedSharding(mesh, P())
+    return jax.jit(sharded_step, in_shardings=(self.state, self.batch),
+                   out_shardings=(self.state, metrics), donate_argnums=0 if donate else (),
+                   compiler_options=self.compiler_options or None)
+
+
+def plan(state: TrainState, mesh: Mesh, stage: int, *, level=None, offload: bool = False,
+         axes: Sequence[str] = ZERO_AXES, reduce_bucket_size: int | None = None,
+         allgather_bucket_size: int | None = None) -> ZeroPlan:
+  """The :class:`ZeroPlan` of `state` for ZeRO `stage` on `mesh`.
+
+  `level` (an ``fp8jax.OptLevel``) decides how stage 3 gathers: FP8 kernels when it has FP8
+  GEMMs, other parameters in its master dtype when that is narrower than f32. The bucket
+  sizes (bytes) become XLA combine thresholds (:mod:`fp8jax.parallel.combine`).
+  """
+  options = combine_options(reduce_bucket_size, allgather_bucket_size)
+  axes = _check_axes(mesh, axes)
+  shardings = state_shardings(state, mesh, stage, axes=axes, offload=offload)
+  fp8_gather = level is not None and level.fp8_gemms
+  payload = None
+  if level is not None and np.dtype(level.master_dtype).itemsize < 4:
+    payload = np.dtype(level.master_dtype)
+  return ZeroPlan(mesh, check_stage(stage), shardings, batch_sharding(mesh), axes, offload,
+                  fp8_gather, payload, options)
+
+
+def device_bytes(tree) -> dict:
+  """{device: bytes of `tree`'s shards it holds} over this process's devices."""
+  out: dict = {}
+  for leaf in jax.tree.leaves(tree):
+    for shard in leaf.addressable_shards:
+      out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+  return out
+
+
+def to_host(tree):
+  """Global numpy values of a tree of (possibly multi-process) arrays."""
+  from jax.experimental import multihost_utils
+
+  def one(x):
+    if getattr(x, "is_fully_addressable", True):
+      return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return jax.tree.map(one, tree)
