@@ -6,8 +6,8 @@ ranks can be added after the wire without rescaling.
 
 Reduce-scatter (:func:`fp8_reduce_scatter`, :func:`fp8_reduce_scatter_tree`) computes what
 ``lax.psum_scatter(x, axis_name, scatter_dimension=d, tiled=True)`` computes: rank ``i`` gets
-chunk ``i`` (along ``d``) of the sum over ranks. It sends FP8 through one ``lax.all_to_all`` and
-adds the ``n`` received pieces locally in f32, so every input is rounded to FP8 exactly once and
+chunk ``i`` (along ``d``) of the sum over ranks. It sends FP8 through one ``lax.all_to_all`` (as
+uint8 bits, so no backend widens it) and adds the ``n`` received pieces locally in f32, so every input is rounded to FP8 exactly once and
 the sum is never rounded to FP8. Its error is that of one FP8 rounding per input, whatever the
 number of ranks. A ring that accumulates in FP8 (``psum`` on FP8 arrays, MS-AMP's patched NCCL)
 rounds the partial sum at every hop and needs a scale ``n`` times coarser to keep the sum in
@@ -160,6 +160,16 @@ def current_scales(leaves, axis_name: AxisName, dtype=jnp.float8_e4m3fn,
 
 # ----------------------------------------------------------------------------- reduce-scatter
 
+def _as_bytes(q):
+  """FP8 payload reinterpreted as uint8 (free): every backend moves it as 1 byte per element
+  (XLA:CPU would otherwise widen FP8 collectives to f16)."""
+  return lax.bitcast_convert_type(q, jnp.uint8)
+
+
+def _as_fp8(b, dtype):
+  return lax.bitcast_convert_type(b, dtype)
+
+
 def _to_chunks(x, dim: int, n: int):
   """`x` with dimension `dim` split into `n` chunks, as [n, chunk_size] (chunk i = rows i)."""
   return jnp.moveaxis(x, dim, 0).reshape(n, -1)
@@ -217,7 +227,8 @@ def fp8_reduce_scatter_tree(tree, axis_name: AxisName, *, scatter_dimension: int
   chunks = [_to_chunks(quantize_with_scale(x, scale_vec[i], dtype), dims[i], n)
             for i, x in enumerate(leaves)]
   buf = chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks, axis=1)
-  recv = lax.all_to_all(buf, axis_name, 0, 0, tiled=True)  # row j: chunk from rank j
+  recv = _as_fp8(lax.all_to_all(_as_bytes(buf), axis_name, 0, 0, tiled=True), dtype)
+  # recv row j: this rank's chunk of every leaf, as sent by rank j
   out, offset = [], 0
   for i, (x, c) in enumerate(zip(leaves, chunks)):
     piece = recv[:, offset:offset + c.shape[1]]
@@ -286,7 +297,8 @@ def fp8_all_gather(x, axis_name: AxisName, *, axis: int = 0, dtype=jnp.float8_e4
   if scale is None:
     scale = current_scales([x], axis_name, dtype, margin)[0][0]
   scale = jnp.asarray(scale, jnp.float32)
-  data = lax.all_gather(quantize_with_scale(x, scale, dtype), axis_name, axis=axis, tiled=True)
+  data = _as_fp8(lax.all_gather(_as_bytes(quantize_with_scale(x, scale, dtype)), axis_name,
+                                axis=axis, tiled=True), dtype)
   if return_scaled:
     return ScaledArray(data, scale)
   return (data.astype(jnp.float32) * scale).astype(out_dtype)
