@@ -101,7 +101,11 @@ def test_error_bounded_and_flat_in_ranks_unlike_fp8_ring(key, dtype, bound):
   for n in errs:
     assert 4 * bf16_errs[n] < errs[n] < bound  # really FP8, and bounded
   assert max(errs[4], errs[8]) < 1.25 * errs[2]  # does not grow with the ranks
-  assert ring_errs[8] > 1.25 * ring_errs[2]  # the per-hop FP8 ring does
+  # the per-hop FP8 ring's error does grow: compared on the same data as ours (which removes
+  # most of the sample-to-sample spread of heavy-tailed gradients) it goes from ~1.6x ours at
+  # 2 ranks to ~3.3x at 8
+  assert ring_errs[8] > ring_errs[2]
+  assert ring_errs[8] / errs[8] > 1.4 * ring_errs[2] / errs[2]
   assert ring_errs[8] > 2 * errs[8]
 
 
@@ -168,6 +172,21 @@ def test_tree_one_collective_per_leaf_scales(key):
     assert 1e-3 < rel_err(out[k], ref) < 0.05, k
     np.testing.assert_allclose(stats.amax[j], np.abs(v).max(), rtol=1e-6)
   assert np.all(np.asarray(stats.saturated) == 0)  # current scaling never saturates
+
+
+def test_chunked_all_to_all_gives_the_same_result(key):
+  """`chunks` splits the wire into several all_to_alls (pipelining) without changing a bit."""
+  mesh = _mesh((4,), ("d",))
+  tree = {"a": _grads(key, 4, (8, 30)), "b": _grads(jax.random.fold_in(key, 1), 4, (4, 7))}
+  xs = {k: _sharded(mesh, v, "d") for k, v in tree.items()}
+  specs = {k: P("d") for k in tree}
+  one, three = (jax.jit(jax.shard_map(lambda t, c=c: fp8_reduce_scatter_tree(t, "d", chunks=c),
+                                      mesh=mesh, in_specs=(specs,), out_specs=specs))
+                for c in (1, 3))
+  assert three.lower(xs).as_text().count("all_to_all") == 3
+  for k, v in tree.items():
+    np.testing.assert_array_equal(three(xs)[k], one(xs)[k])
+    assert rel_err(one(xs)[k], v.astype(np.float64).sum(0)) < 0.05
 
 
 def test_all_gather_dequantized_and_scaled_payload(key):
@@ -271,6 +290,7 @@ def test_update_rule_threshold_cap_and_nonfinite():
     (lambda x: fp8_reduce_scatter(x, "d", dtype=jnp.float16), "dtype=<class 'jax.numpy.float16'>"
                                                               " is not allowed"),
     (lambda x: fp8_reduce_scatter(x, "d", out_dtype=jnp.int8), "out_dtype=.* is not allowed"),
+    (lambda x: fp8_reduce_scatter(x, "d", chunks=0), "chunks=0 is not allowed; use an int >= 1"),
     (lambda x: fp8_all_gather(x, "d", axis=-3), "axis=-3 is out of range"),
     (lambda x: fp8_all_gather(x, "d", dtype="int8"), "dtype='int8' is not allowed"),
     (lambda x: fp8_reduce_scatter_auto([x, x], "d", init_comm_scaling()),

@@ -7,9 +7,9 @@ ranks can be added after the wire without rescaling.
 Reduce-scatter (:func:`fp8_reduce_scatter`, :func:`fp8_reduce_scatter_tree`) computes what
 ``lax.psum_scatter(x, axis_name, scatter_dimension=d, tiled=True)`` computes: rank ``i`` gets
 chunk ``i`` (along ``d``) of the sum over ranks. It sends FP8 through one ``lax.all_to_all`` (as
-uint8 bits, so no backend widens it) and adds the ``n`` received pieces locally in f32, so every input is rounded to FP8 exactly once and
-the sum is never rounded to FP8. Its error is that of one FP8 rounding per input, whatever the
-number of ranks. A ring that accumulates in FP8 (``psum`` on FP8 arrays, MS-AMP's patched NCCL)
+uint8 bits, so no backend widens it) and adds the ``n`` received pieces locally in f32, so every
+input is rounded to FP8 exactly once and the sum is never rounded to FP8. Its error is that of
+one FP8 rounding per input, whatever the number of ranks. A ring that accumulates in FP8 (``psum`` on FP8 arrays, MS-AMP's patched NCCL)
 rounds the partial sum at every hop and needs a scale ``n`` times coarser to keep the sum in
 range, so its error grows with ``n``. Never ``psum`` FP8 arrays.
 
@@ -20,7 +20,8 @@ Two ways to get the shared scale (the *scaling mode* of a call):
   and a scalar round trip across ranks before any byte is sent.
 * delayed (``scales=`` given, e.g. :func:`comm_scales` of a :class:`CommScaling` state): the
   scale comes from the previous step's agreed amax divided by a pre-scale factor, so the cast
-  needs no prior reduction (the amax for the next step is computed in the same pass as the cast).
+  needs no prior reduction (the amax for the next step is read in the same pass as the cast and
+  agreed after it, off the critical path).
   Gradients that grow between steps saturate; FP8-LM's automatic scaling
   (:func:`update_comm_scaling`) halves the pre-scale when more than 0.001% of the values
   saturate and grows it back (x2 after ``growth_interval`` clean steps, at most 1).
@@ -170,6 +171,14 @@ def _as_fp8(b, dtype):
   return lax.bitcast_convert_type(b, dtype)
 
 
+def _all_to_all_fp8(buf, axis_name, chunks: int):
+  """all_to_all of an FP8 [n, m] buffer (row j goes to rank j), in `chunks` column pieces."""
+  bounds = np.linspace(0, buf.shape[1], min(chunks, max(buf.shape[1], 1)) + 1).astype(int)
+  pieces = [_as_fp8(lax.all_to_all(_as_bytes(buf[:, a:b]), axis_name, 0, 0, tiled=True),
+                    buf.dtype) for a, b in zip(bounds[:-1], bounds[1:])]
+  return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=1)
+
+
 def _to_chunks(x, dim: int, n: int):
   """`x` with dimension `dim` split into `n` chunks, as [n, chunk_size] (chunk i = rows i)."""
   return jnp.moveaxis(x, dim, 0).reshape(n, -1)
@@ -183,7 +192,7 @@ def _from_chunk(flat, x_shape, dim: int, n: int):
 
 def fp8_reduce_scatter_tree(tree, axis_name: AxisName, *, scatter_dimension: int = 0,
                             dtype=jnp.float8_e4m3fn, out_dtype=jnp.float32, scales=None,
-                            margin: float = 0.0, with_stats: bool = False):
+                            margin: float = 0.0, with_stats: bool = False, chunks: int = 1):
   """``psum_scatter(leaf, axis_name, scatter_dimension, tiled=True)`` of every leaf, in FP8,
   with one ``all_to_all`` for the whole tree.
 
@@ -203,6 +212,9 @@ def fp8_reduce_scatter_tree(tree, axis_name: AxisName, *, scatter_dimension: int
     margin: current scaling maps the amax to ``fp8_max / 2**margin``.
     with_stats: also return :class:`CommStats` (f32[L] each; costs one pmax and one psum of
       f32[L] in delayed mode, one psum in current mode).
+    chunks: send the packed buffer as this many ``all_to_all``s (along its columns), so the
+      cast of one chunk can overlap the transfer of the previous one (a pipelining knob; 1 =
+      a single collective).
 
   Returns:
     The tree of reduced chunks (leaf shape with `scatter_dimension` divided by n, `out_dtype`),
@@ -213,6 +225,8 @@ def fp8_reduce_scatter_tree(tree, axis_name: AxisName, *, scatter_dimension: int
   leaves, treedef = jax.tree.flatten(tree)
   if not leaves:
     raise ValueError(f"{where}: the gradient tree has no arrays")
+  if not isinstance(chunks, (int, np.integer)) or isinstance(chunks, bool) or chunks < 1:
+    raise ValueError(f"{where}: chunks={chunks!r} is not allowed; use an int >= 1")
   n = _axis_size(axis_name)
   dims = []
   for i, x in enumerate(leaves):
@@ -224,13 +238,13 @@ def fp8_reduce_scatter_tree(tree, axis_name: AxisName, *, scatter_dimension: int
   else:
     scale_vec = jnp.broadcast_to(jnp.asarray(scales, jnp.float32), (len(leaves),))
     amax = None
-  chunks = [_to_chunks(quantize_with_scale(x, scale_vec[i], dtype), dims[i], n)
+  packed = [_to_chunks(quantize_with_scale(x, scale_vec[i], dtype), dims[i], n)
             for i, x in enumerate(leaves)]
-  buf = chunks[0] if len(chunks) == 1 else jnp.concatenate(chunks, axis=1)
-  recv = _as_fp8(lax.all_to_all(_as_bytes(buf), axis_name, 0, 0, tiled=True), dtype)
+  buf = packed[0] if len(packed) == 1 else jnp.concatenate(packed, axis=1)
+  recv = _all_to_all_fp8(buf, axis_name, chunks)
   # recv row j: this rank's chunk of every leaf, as sent by rank j
   out, offset = [], 0
-  for i, (x, c) in enumerate(zip(leaves, chunks)):
+  for i, (x, c) in enumerate(zip(leaves, packed)):
     piece = recv[:, offset:offset + c.shape[1]]
     offset += c.shape[1]
     total = piece[0].astype(jnp.float32)
@@ -258,7 +272,7 @@ def _stats(leaves, scale_vec, amax, axis_name, dtype, n) -> CommStats:
 
 def fp8_reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0,
                        dtype=jnp.float8_e4m3fn, out_dtype=jnp.float32, scale=None,
-                       margin: float = 0.0, with_stats: bool = False):
+                       margin: float = 0.0, with_stats: bool = False, chunks: int = 1):
   """``lax.psum_scatter(x, axis_name, scatter_dimension=..., tiled=True)`` with an FP8 wire.
 
   `x` is cast to `dtype` with one scale shared by all ranks (current scaling: the amax agreed
@@ -270,7 +284,7 @@ def fp8_reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0,
   """
   res = fp8_reduce_scatter_tree([x], axis_name, scatter_dimension=scatter_dimension,
                                 dtype=dtype, out_dtype=out_dtype, scales=scale, margin=margin,
-                                with_stats=with_stats)
+                                with_stats=with_stats, chunks=chunks)
   if not with_stats:
     return res[0]
   out, stats = res
@@ -350,7 +364,8 @@ def update_comm_scaling(state: CommScaling, stats: CommStats, *,
 
 def fp8_reduce_scatter_auto(tree, axis_name: AxisName, state: CommScaling, *,
                             scatter_dimension: int = 0, dtype=jnp.float8_e4m3fn,
-                            out_dtype=jnp.float32, margin: float = 0.0, **update_kwargs):
+                            out_dtype=jnp.float32, margin: float = 0.0, chunks: int = 1,
+                            **update_kwargs):
   """Delayed-mode FP8 reduce-scatter of a tree with automatic scaling.
 
   Casts with :func:`comm_scales` of `state` (current scaling instead while any leaf has not
@@ -374,7 +389,7 @@ def fp8_reduce_scatter_auto(tree, axis_name: AxisName, state: CommScaling, *,
                     lambda: current_scales(leaves, axis_name, dt, margin)[0])
   out, stats = fp8_reduce_scatter_tree(tree, axis_name, scatter_dimension=scatter_dimension,
                                        dtype=dt, out_dtype=out_dtype, scales=scales,
-                                       margin=margin, with_stats=True)
+                                       margin=margin, with_stats=True, chunks=chunks)
   new = update_comm_scaling(vec, stats, **update_kwargs)
   new = jax.tree.map(lambda a, old: jnp.reshape(a, jnp.shape(old)), new, state)
   return out, new
