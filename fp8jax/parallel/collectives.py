@@ -228,14 +228,19 @@ def fp8_reduce_scatter_tree(tree, axis_name: AxisName, *, scatter_dimension: int
   if not isinstance(chunks, (int, np.integer)) or isinstance(chunks, bool) or chunks < 1:
     raise ValueError(f"{where}: chunks={chunks!r} is not allowed; use an int >= 1")
   n = _axis_size(axis_name)
+  names = (["x"] if len(leaves) == 1 else
+           [f"leaf {i} ({jax.tree_util.keystr(p)})"
+            for i, (p, _) in enumerate(jax.tree_util.tree_flatten_with_path(tree)[0])])
   dims = []
-  for i, x in enumerate(leaves):
-    name = "x" if len(leaves) == 1 else f"leaf {i} ({jax.tree_util.keystr(_path(tree, i))})"
+  for x, name in zip(leaves, names):
     _check_input(where, name, x)
     dims.append(_check_dim(where, name, x, scatter_dimension, n, "scatter_dimension"))
   if scales is None:
     scale_vec, amax = current_scales(leaves, axis_name, dtype, margin)
   else:
+    if jnp.shape(scales) not in ((), (len(leaves),)):
+      raise ValueError(f"{where}: scales has shape {jnp.shape(scales)}; use a scalar or one "
+                       f"scale per leaf, shape ({len(leaves)},)")
     scale_vec = jnp.broadcast_to(jnp.asarray(scales, jnp.float32), (len(leaves),))
     amax = None
   packed = [_to_chunks(quantize_with_scale(x, scale_vec[i], dtype), dims[i], n)
@@ -255,10 +260,6 @@ def fp8_reduce_scatter_tree(tree, axis_name: AxisName, *, scatter_dimension: int
   if not with_stats:
     return result
   return result, _stats(leaves, scale_vec, amax, axis_name, dtype, n)
-
-
-def _path(tree, i):
-  return jax.tree_util.tree_flatten_with_path(tree)[0][i][0]
 
 
 def _stats(leaves, scale_vec, amax, axis_name, dtype, n) -> CommStats:
