@@ -140,13 +140,16 @@ def _smap(mesh, fn, in_specs, out_specs):
 
 
 def _wire(compiled_text: str) -> str:
-  """Payload types of the data-moving collectives in compiled HLO (scalars left out)."""
-  kinds = []
+  """Payload types of the data-moving collectives in compiled HLO (scalars left out), e.g.
+  'all-to-all:u8'; async '-start' ops count only where no plain op of that kind exists."""
+  plain, start = [], []
   for line in compiled_text.splitlines():
-    m = re.search(r"= \(?([a-z0-9]+)\[([0-9,]*)\].*? (all-to-all|reduce-scatter|all-gather|"
+    m = re.search(r"= \(*([a-z0-9]+)\[([0-9,]*)\].*? (all-to-all|reduce-scatter|all-gather|"
                   r"all-reduce|collective-permute)(-start)?\(", line)
-    if m and m.group(2) not in ("", "1") and "-done" not in line:
-      kinds.append(f"{m.group(3)}:{m.group(1)}")
+    if m and m.group(2) not in ("", "1"):
+      (start if m.group(4) else plain).append(f"{m.group(3)}:{m.group(1)}")
+  ops = {op.split(":")[0] for op in plain}
+  kinds = plain + [k for k in start if k.split(":")[0] not in ops]
   counts = {k: kinds.count(k) for k in sorted(set(kinds))}
   return " ".join(f"{k}x{v}" if v > 1 else k for k, v in counts.items()) or "-"
 

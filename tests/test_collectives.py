@@ -158,8 +158,8 @@ def test_tree_one_collective_per_leaf_scales(key):
   n = 4
   mesh = _mesh((n,), ("d",))
   k1, k2, k3 = jax.random.split(key, 3)
-  tree = {"w": _grads(k1, n, (8, 32)), "b": _grads(k2, n, (4,)) * 1e-6,
-          "e": _grads(k3, n, (12, 3, 5), decades=False) * 1e3}
+  tree = {"w": _grads(k1, n, (32, 64)), "b": _grads(k2, n, (256,), decades=False) * 1e-6,
+          "e": _grads(k3, n, (16, 3, 5), decades=False) * 1e3}
   xs = {k: _sharded(mesh, v, "d") for k, v in tree.items()}
   specs = {k: P("d") for k in tree}
   fn = jax.shard_map(lambda t: fp8_reduce_scatter_tree(t, "d", with_stats=True), mesh=mesh,
@@ -177,7 +177,8 @@ def test_tree_one_collective_per_leaf_scales(key):
 def test_chunked_all_to_all_gives_the_same_result(key):
   """`chunks` splits the wire into several all_to_alls (pipelining) without changing a bit."""
   mesh = _mesh((4,), ("d",))
-  tree = {"a": _grads(key, 4, (8, 30)), "b": _grads(jax.random.fold_in(key, 1), 4, (4, 7))}
+  tree = {"a": _grads(key, 4, (32, 30)), "b": _grads(jax.random.fold_in(key, 1), 4, (16, 7),
+                                                      decades=False)}
   xs = {k: _sharded(mesh, v, "d") for k, v in tree.items()}
   specs = {k: P("d") for k in tree}
   one, three = (jax.jit(jax.shard_map(lambda t, c=c: fp8_reduce_scatter_tree(t, "d", chunks=c),

@@ -148,7 +148,8 @@ def _local_saturated(x, scale, dtype) -> jax.Array:
     return jnp.zeros((), jnp.float32)
   inv = jnp.where(scale > 0, 1.0 / scale, 0.0)
   y = jnp.abs(x.astype(jnp.float32)) * inv
-  return jnp.mean((y >= _saturation_bound(dtype)).astype(jnp.float32))
+  count = jnp.sum(y >= _saturation_bound(dtype), dtype=jnp.int32)  # exact up to 2**31 elements
+  return count.astype(jnp.float32) / x.size
 
 
 def current_scales(leaves, axis_name: AxisName, dtype=jnp.float8_e4m3fn,
@@ -253,7 +254,7 @@ def fp8_reduce_scatter_tree(tree, axis_name: AxisName, *, scatter_dimension: int
     piece = recv[:, offset:offset + c.shape[1]]
     offset += c.shape[1]
     total = piece[0].astype(jnp.float32)
-    for j in range(1, n):  # a fixed order of f32 adds: one fused pass over the n pieces
+    for j in range(1, n):  # a fixed order of f32 adds: one fused elementwise pass
       total = total + piece[j].astype(jnp.float32)
     out.append(_from_chunk((total * scale_vec[i]).astype(out_dtype), x.shape, dims[i], n))
   result = jax.tree.unflatten(treedef, out)
