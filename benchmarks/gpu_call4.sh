@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Device call (2 GPUs): FP8 reduce-scatter vs BF16, ZeRO-3 O3 vs O0, recovery time at 1.3B.
+set -u
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+export XLA_FLAGS=${XLA_FLAGS:---xla_gpu_enable_triton_gemm=false}
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+nvidia-smi -L
+timeout 170 python3 benchmarks/collectives_gpu.py --budget-s 110 > $OUT/collectives.txt 2>&1; tail -30 $OUT/collectives.txt
+timeout 190 python3 benchmarks/zero_gpu.py --set data.max_bytes=16777216 --steps 5 > $OUT/zero.txt 2>&1; tail -14 $OUT/zero.txt
+CUDA_VISIBLE_DEVICES=0 timeout 160 python3 benchmarks/recovery_gpu.py --set train.opt_level=O2 \
+  --kill-at 8 --every 4 --set data.max_bytes=16777216 --timeout 70 > $OUT/recovery.txt 2>&1; tail -14 $OUT/recovery.txt
