@@ -231,9 +231,11 @@ class ZeroPlan:
     return _put(batch, self.batch)
 
   def train_step(self, apply_fn: Callable, tx: optax.GradientTransformation,
-                 microbatches: int = 1, donate: bool = True):
+                 microbatches: int = 1, donate: bool = True, wrap: Callable | None = None):
     """The jitted ``step(state, batch) -> (state, metrics)`` with this plan's shardings
-    (inputs sharded as :attr:`state` / :attr:`batch`; the state is donated)."""
+    (inputs sharded as :attr:`state` / :attr:`batch`; the state is donated). `wrap`, if
+    given, wraps the unsharded step function first (e.g.
+    ``fp8jax.train.guards.skip_nonfinite_steps``)."""
     mesh, axes = self.mesh, self.axes
     gather = None
     if self.stage >= 3:
@@ -244,6 +246,8 @@ class ZeroPlan:
       reduce = lambda g: reduce_gradients(g, mesh, self.stage, axes)
     step = make_train_step(apply_fn, tx, microbatches, gather_params=gather,
                            reduce_gradients=reduce)
+    if wrap is not None:
+      step = wrap(step)
     host = self.state.opt_state
 
     def sharded_step(state: TrainState, batch):

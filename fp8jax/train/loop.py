@@ -91,7 +91,8 @@ class Trainer:
   def step_fn(self, microbatches: int):
     """The jitted train step for `microbatches` microbatches (one compile per count)."""
     if microbatches not in self._steps and self.zero is not None:
-      step = self.zero.train_step(self.model.apply, self.tx, microbatches)
+      step = self.zero.train_step(self.model.apply, self.tx, microbatches,
+                                  wrap=guards.skip_nonfinite_steps)
       self._steps[microbatches] = lambda state, batch: step(state, self.zero.shard_batch(batch))
     if microbatches not in self._steps:
       self._steps[microbatches] = jax.jit(guards.skip_nonfinite_steps(
