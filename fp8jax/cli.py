@@ -107,8 +107,10 @@ def cmd_check(args) -> int:
 
 
 def cmd_train(args) -> int:
+  from fp8jax import parallel
   from fp8jax.config import load_config
   from fp8jax.train.loop import Trainer
+  parallel.initialize()  # joins `fp8jax launch`'s or a cluster's process group; else no-op
   config = load_config(args.config, args.set)
   Trainer(config, progress=not args.no_progress).run()
   return 0

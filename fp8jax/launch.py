@@ -7,7 +7,7 @@ COMMAND, each with
 * ``FP8JAX_NUM_PROCESSES``: N, ``FP8JAX_PROCESS_ID``: 0..N-1,
 * ``FP8JAX_RESTART``: the attempt number (0 for the first launch),
 
-which :func:`initialize_from_env` (or ``fp8jax.parallel.initialize``) turns into a
+which ``fp8jax.parallel.initialize()`` (called by ``fp8jax train``) turns into a
 ``jax.distributed`` initialization. Supervision:
 
 * when one process fails (non-zero exit or killed), the others get `grace` seconds to stop on
@@ -31,54 +31,10 @@ import sys
 import time
 from typing import Sequence
 
-ENV_COORDINATOR = "FP8JAX_COORDINATOR"
-ENV_NUM_PROCESSES = "FP8JAX_NUM_PROCESSES"
-ENV_PROCESS_ID = "FP8JAX_PROCESS_ID"
+from fp8jax.parallel.distributed import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+
 ENV_RESTART = "FP8JAX_RESTART"
 KILL_AFTER_TERM_S = 5.0
-
-
-def initialize_from_env(heartbeat_timeout_s: int = 30, shutdown_timeout_s: int = 60,
-                        initialization_timeout_s: int = 120) -> bool:
-  """``jax.distributed.initialize`` from the launcher's variables, timeouts set explicitly.
-
-  Returns False (and does nothing) when the variables are absent or name one process.
-  `heartbeat_timeout_s`: a process missing heartbeats this long is declared dead and the
-  others are shut down; `shutdown_timeout_s`: how long shutdown waits for every process.
-  (To be unified with ``fp8jax.parallel.initialize``, which reads the same variables.)
-  """
-  if ENV_NUM_PROCESSES not in os.environ:
-    return False
-  num, pid, coordinator = _read_env()
-  if num == 1:
-    return False
-  import jax
-  jax.distributed.initialize(coordinator_address=coordinator, num_processes=num,
-                             process_id=pid, initialization_timeout=initialization_timeout_s,
-                             heartbeat_timeout_seconds=heartbeat_timeout_s,
-                             shutdown_timeout_seconds=shutdown_timeout_s)
-  return True
-
-
-def _read_env() -> tuple[int, int, str]:
-  """(num_processes, process_id, coordinator) from the environment, checked."""
-  values = {}
-  for name in (ENV_NUM_PROCESSES, ENV_PROCESS_ID):
-    text = os.environ.get(name, "")
-    if not text.isdigit():
-      raise ValueError(f"{name}={text!r} is not allowed; use a non-negative integer "
-                       "(fp8jax launch sets it)")
-    values[name] = int(text)
-  num, pid = values[ENV_NUM_PROCESSES], values[ENV_PROCESS_ID]
-  if num < 1 or pid >= num:
-    raise ValueError(f"{ENV_PROCESS_ID}={pid} with {ENV_NUM_PROCESSES}={num} is not allowed; "
-                     "use 0 <= process id < number of processes >= 1")
-  coordinator = os.environ.get(ENV_COORDINATOR, "")
-  host, _, port = coordinator.rpartition(":")
-  if not host or not port.isdigit():
-    raise ValueError(f"{ENV_COORDINATOR}={coordinator!r} is not allowed; use host:port, "
-                     "e.g. 127.0.0.1:12345")
-  return num, pid, coordinator
 
 
 def _free_port() -> int:
@@ -199,4 +155,4 @@ def _supervise(attempt: _Attempt, grace: float, stop_signal: list) -> int:
 
 
 __all__ = ["ENV_COORDINATOR", "ENV_NUM_PROCESSES", "ENV_PROCESS_ID", "ENV_RESTART",
-           "initialize_from_env", "launch"]
+           "launch"]

@@ -7,9 +7,9 @@ Usage: launch_worker.py OUT_DIR STEPS HEARTBEAT_TIMEOUT_S KILL_AT
 import json, os, signal, sys, time
 import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-from fp8jax.launch import initialize_from_env
+from fp8jax import parallel
 out, steps, hb, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-initialize_from_env(heartbeat_timeout_s=hb, shutdown_timeout_s=5)
+assert parallel.initialize(heartbeat_timeout=hb, shutdown_timeout=5) == "env"
 import numpy as np
 from jax.experimental import multihost_utils
 pid, attempt = jax.process_index(), int(os.environ["FP8JAX_RESTART"])

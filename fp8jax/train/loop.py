@@ -58,6 +58,10 @@ class Trainer:
     self._eval = jax.jit(make_eval_step(self.model.apply))
     self._health = jax.jit(lambda variables, batch: fp8_cast_health(
         self.model, variables, batch, self.level.recipe)) if self.level.fp8_gemms else None
+    if jax.process_count() > 1 and self._health is not None:
+      logger.warning("fp8jax: the FP8 cast-health probe runs in single-process runs only; "
+                     "off in this %d-process run", jax.process_count())
+      self._health = None
     self.run_dir = config.runtime.run_path
     self.flops_per_token = flops_per_token(self.model_config, d.seq_len)
     self.fp8_peak = self.level.fp8_gemms and native_fp8_reason() is None
@@ -125,18 +129,22 @@ class Trainer:
   def run(self) -> dict:
     """Trains for config.train.steps steps; returns the final metrics."""
     cfg, t = self.config, self.config.train
+    primary = jax.process_index() == 0  # one process writes logs (all take part in checkpoints)
     os.makedirs(self.run_dir, exist_ok=True)
-    save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
+    if primary:
+      save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
     start = self.resume() if cfg.checkpoint.auto_resume else 0
-    if start:
+    if start and primary:
       metrics_lib.drop_records_after(os.path.join(self.run_dir, "metrics.jsonl"), start)
     if start >= t.steps:
       print(f"fp8jax train: {self.run_dir} already finished {start} of {t.steps} steps")
       return {"resumed_from": start}
-    writer = metrics_lib.MetricWriter(self.run_dir)
+    writer = metrics_lib.MetricWriter(self.run_dir) if primary else metrics_lib.NullWriter()
     self._writer = writer
     n = param_count(self.state.model_params())
     state_bytes = fp8_optim.tree_bytes((self.state.params, self.state.opt_state)) / n
+    if jax.process_count() > 1:
+      print(f"fp8jax train: process {jax.process_index()} of {jax.process_count()}")
     print(f"fp8jax train: level {self.level.name}, {n / 1e6:.2f}M params "
           f"({state_bytes:.2f} bytes/param of weights + optimizer state), {t.steps} steps, "
           f"data: {self.data.description}; logs: {os.path.abspath(self.run_dir)}")
@@ -314,7 +322,8 @@ class Trainer:
                                                    b[:, 1:]), parts)
         return jnp.mean(each)
       self._bf16_eval[n] = jax.jit(loss)
-    return self._bf16_eval[n](state.model_params(), batch)
+    put = self.zero.shard_batch if self.zero is not None else (lambda b: b)
+    return self._bf16_eval[n](state.model_params(), put(batch))
 
   def fall_back_to_bf16(self, reason: str, record: bool = True) -> None:
     """Switches the run to BF16 (O0) GEMMs, keeping parameters and optimizer state; the

@@ -113,6 +113,16 @@ class MetricWriter:
       self._tb.close()
 
 
+class NullWriter:
+  """A :class:`MetricWriter` that writes nothing (processes other than the first)."""
+
+  def write(self, step: int, scalars: dict[str, Any]) -> None:
+    del step, scalars
+
+  def close(self) -> None:
+    pass
+
+
 def read_jsonl(path: str) -> list[dict]:
   """The records of a metrics.jsonl file."""
   with open(path) as f:
