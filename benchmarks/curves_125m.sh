@@ -3,10 +3,7 @@
 # (or one after the other with one GPU). Usage: bash benchmarks/curves_125m.sh STEPS OUTDIR
 set -u
 STEPS=${1:-3000}; OUTDIR=${2:-runs/curves_125m}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-export XLA_FLAGS=${XLA_FLAGS:---xla_gpu_enable_triton_gemm=false}
+. benchmarks/gpu_env.sh
 NGPU=$(nvidia-smi -L | wc -l)
 run() {  # level gpu
   CUDA_VISIBLE_DEVICES=$2 python3 -m fp8jax.cli train --config configs/gpt_125m.yaml \

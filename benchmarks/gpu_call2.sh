@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
 # Device call: optimizer update, step profile, throughput at 1.3B and a 7B-class layer shape, GPU tests.
 set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-export XLA_FLAGS=${XLA_FLAGS:---xla_gpu_enable_triton_gemm=false}
+. benchmarks/gpu_env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
 git log --oneline -1

@@ -2,10 +2,7 @@
 # Device call (1 GPU): optimizer-update experiments (+ compiled HLO), the 125M O0-vs-O2 curves,
 # and the GPU tests.
 set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-export XLA_FLAGS=${XLA_FLAGS:---xla_gpu_enable_triton_gemm=false}
+. benchmarks/gpu_env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 timeout 75 python3 benchmarks/optim_update.py --dump-hlo $OUT/optim 2>&1 | tee $OUT/optim.txt
 rm -f $OUT/optim.optax.hlo.txt $OUT/optim.fp8jax.hlo.txt $OUT/optim.O2_nearest.hlo.txt

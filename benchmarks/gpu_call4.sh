@@ -1,10 +1,7 @@
 #!/usr/bin/env bash
 # Device call (2 GPUs): FP8 reduce-scatter vs BF16, ZeRO-3 O3 vs O0, recovery time at 1.3B.
 set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-export XLA_FLAGS=${XLA_FLAGS:---xla_gpu_enable_triton_gemm=false}
+. benchmarks/gpu_env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 nvidia-smi -L
 timeout 170 python3 benchmarks/collectives_gpu.py --budget-s 110 > $OUT/collectives.txt 2>&1; tail -30 $OUT/collectives.txt
