@@ -32,7 +32,6 @@ from fp8jax.recipe import OptLevel, Recipe, opt_level
 NOT_BUILT_YET = (
     ("parallel.tensor_parallel_size", (1,), "tensor parallelism"),
     ("parallel.pipeline_parallel_size", (1,), "pipeline parallelism"),
-    ("parallel.device_map", (None,), "heterogeneous device placement"),
     ("model.dropout_rate", (0.0, 0), "dropout RNG plumbing in the train step"),
 )
 
@@ -342,9 +341,15 @@ class ParallelSection(_Section):
   allgather_bucket_size: int | None = _field(None, _ge(1))  # bytes (fp8jax.parallel.combine)
   tensor_parallel_size: int = _field(1, _ge(1))
   pipeline_parallel_size: int = _field(1, _ge(1))
-  device_map: dict | str | None = None
+  device_map: dict | str | None = None  # kind -> throughput / profile: balanced microbatches
+  fp8_capability: str = _field("per_kind", _one_of("per_kind", "uniform"))
 
   def _check(self):
+    from fp8jax.parallel import device_map
+    try:
+      device_map.check(self.device_map)
+    except ValueError as e:
+      _fail(str(e))
     fill = [n for n in ("data_parallel_size", "fsdp_size") if getattr(self, n) == -1]
     if len(fill) > 1:
       _fail(f"parallel.{fill[0]}=-1 and parallel.{fill[1]}=-1 are not allowed together; "
@@ -436,6 +441,9 @@ class Config(_Section):
     return max(self.parallel.zero_stage, opt_level(self.train.opt_level).zero_stage)
 
   def _check_offload(self):
+    if self.parallel.offload_optimizer and self.parallel.device_map is not None:
+      _fail("parallel.offload_optimizer=True with parallel.device_map is not supported yet "
+            "(the balanced step keeps the optimizer state on the devices); drop one of them")
     if self.parallel.offload_optimizer and self.zero_stage() == 0:
       _fail("parallel.offload_optimizer=True is not allowed with parallel.zero_stage=0 at "
             f"train.opt_level={self.train.opt_level}; use zero_stage 1, 2 or 3 (or level O3)")

@@ -12,9 +12,10 @@ returns the new meta. :func:`fp8_dot_general_chained` also returns the meta unch
 second output; a later call that consumes it passes its own update back through it, and the
 two updates combine by max, so a layer that is called twice never sums its FP8 state.
 
-Where FP8 GEMMs cannot run (not every device is a GPU of compute capability >= 8.9, or a
-shape cuBLASLt refuses) the identical quantized math runs with FP8 values upcast to f32
-("emulated"); this is decided at trace time, the same on every process, and logged once.
+Where FP8 GEMMs cannot run (a device without FP8 tensor cores, or a shape cuBLASLt refuses)
+the identical quantized math runs with FP8 values upcast exactly (BF16 on GPUs, F32 on CPUs)
+and f32 accumulation ("emulated"); the per-process decision is agreed by all processes
+(:mod:`fp8jax.parallel.capability`) and logged once.
 """
 from __future__ import annotations
 
@@ -36,7 +37,6 @@ from fp8jax.scaling import Fp8Meta
 logger = logging.getLogger("fp8jax")
 _LOGGED: set[str] = set()
 _NATIVE_OUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-MIN_CAPABILITY = (8, 9)
 
 
 class Fp8DotMeta(NamedTuple):
@@ -60,26 +60,24 @@ def log_once(message: str) -> None:
     logger.warning(message)
 
 
-def _capability(device) -> tuple[int, int] | None:
-  cc = getattr(device, "compute_capability", None)
-  if device.platform != "gpu" or cc is None:
-    return None
-  major, _, minor = str(cc).partition(".")
-  return int(major), int(minor or 0)
-
-
 @functools.lru_cache(maxsize=None)
 def native_fp8_reason() -> str | None:
-  """None when every device of the run (all processes) runs FP8 GEMMs, else why not.
+  """None when this process runs FP8 GEMMs natively, else why not.
 
-  Decided from ``jax.devices()``, the global device list, so every process agrees.
+  With a plan agreed by :func:`fp8jax.parallel.capability.agree` installed, the plan decides
+  for this process. Otherwise FP8 GEMMs are native only when every device of the run (the
+  global ``jax.devices()``, the same list on every process) supports them.
   """
+  from fp8jax.parallel import capability
+  plan = capability.active_plan()
+  if plan is not None:
+    return plan.reason_on(jax.process_index())
   for d in jax.devices():
-    cc = _capability(d)
-    if cc is None:
-      return f"device {d.device_kind!r} ({d.platform}) has no FP8 GEMMs"
-    if cc < MIN_CAPABILITY:
-      return f"device {d.device_kind!r} has compute capability {cc[0]}.{cc[1]} < 8.9"
+    cc = getattr(d, "compute_capability", None)
+    why = capability.device_reason(capability.DeviceReport(
+        d.process_index, d.platform, d.device_kind, None if cc is None else str(cc), 1))
+    if why:
+      return f"device {why}"
   return None
 
 
@@ -132,6 +130,12 @@ def _explicit_shardings(x, w):
                for s, m in zip(shardings, meshes))
 
 
+def _emulation_dtype():
+  """BF16 on GPUs (tensor-core GEMMs with f32 accumulation: pre-Ada GPUs emulate at BF16
+  speed), F32 elsewhere (CPUs have no fast BF16 GEMM)."""
+  return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+
+
 def _mm(a, b, contract: tuple[int, int], scale, out_dtype, native: bool, fast_accum: bool,
         out_sharding=None):
   """scale * (a @ b) contracting a's axis contract[0] with b's contract[1]; axis 0 batched
@@ -145,9 +149,11 @@ def _mm(a, b, contract: tuple[int, int], scale, out_dtype, native: bool, fast_ac
   """
   batch = ((0,), (0,)) if a.ndim == 3 else ((), ())
   dn = (((contract[0],), (contract[1],)), batch)
-  if not native:
-    y = lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dn,
-                        precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32,
+  if not native:  # FP8 values are exact in BF16 (and F32): the products are the same
+    wide = _emulation_dtype()
+    exact = lax.Precision.DEFAULT if wide == jnp.bfloat16 else lax.Precision.HIGHEST
+    y = lax.dot_general(a.astype(wide), b.astype(wide), dn,
+                        precision=exact, preferred_element_type=jnp.float32,
                         out_sharding=out_sharding)
     return (y * scale).astype(out_dtype)
   precision = lax.Precision.DEFAULT if fast_accum else lax.Precision.HIGHEST

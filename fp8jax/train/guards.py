@@ -44,8 +44,8 @@ def skip_nonfinite_steps(step_fn: Callable) -> Callable:
   ``skipped`` (bool[]). A skipped step returns the input state with ``step`` + 1.
   """
 
-  def guarded(state, batch):
-    new_state, metrics = step_fn(state, batch)
+  def guarded(state, *batch):
+    new_state, metrics = step_fn(state, *batch)
     ok = all_finite((metrics["loss"], metrics["grad_norm"]))
     kept = state._replace(step=new_state.step)
     return select_tree(ok, new_state, kept), {**metrics, "skipped": jnp.logical_not(ok)}

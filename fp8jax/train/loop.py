@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from fp8jax import checkpoint as checkpoint_lib
 from fp8jax import data as data_lib
@@ -20,11 +21,13 @@ from fp8jax.config import Config, config_to_dict, save_config
 from fp8jax.dot import native_fp8_reason
 from fp8jax.linen import FP8_COLLECTION
 from fp8jax.models.gpt import GPT, ModelConfig, flops_per_token, param_count
-from fp8jax.train import guards
+from fp8jax.parallel import balance, capability
+from fp8jax.parallel import device_map as device_map_lib
+from fp8jax.train import balanced, guards
 from fp8jax.train import metrics as metrics_lib
 from fp8jax.train.health import fp8_cast_health
 from fp8jax.train.optimizer import lr_schedule, make_optimizer
-from fp8jax.train.state import TrainState
+from fp8jax.train.state import TrainState, init_state
 from fp8jax.train.step import cross_entropy, make_eval_step, make_train_step
 
 logger = logging.getLogger("fp8jax")
@@ -50,10 +53,12 @@ class Trainer:
     self.tx = make_optimizer(self.schedule, b1=t.b1, b2=t.b2, eps=t.eps,
                              weight_decay=t.weight_decay, clip_norm=t.gradient_clipping,
                              level=self.level)
+    self.capability = capability.agree(config.parallel.fp8_capability)
     self.state = self._init_state()
     self.zero = self._zero_plan()  # None: single device, as before
     if self.zero is not None:
       self.state = self.zero.shard_state(self.state)
+    self.group_seconds = self._group_seconds()  # None: uniform split (no device_map)
     self._steps: dict[int, Any] = {}
     self._eval = jax.jit(make_eval_step(self.model.apply))
     self._health = jax.jit(lambda variables, batch: fp8_cast_health(
@@ -69,20 +74,13 @@ class Trainer:
 
   def _init_state(self) -> TrainState:
     t, d = self.config.train, self.config.data
-    tokens = jnp.zeros((t.microbatch_size, d.seq_len), jnp.int32)
-    variables = jax.jit(self.model.init)(jax.random.key(t.seed), tokens)  # one compile
-    params = variables["params"]
-    opt_state = self.tx.init(params)
-    if np.dtype(self.level.master_dtype) != np.dtype(np.float32):  # O2/O3: FP16 master weights
-      params = fp8_optim.init_master(params, self.level.master_dtype)
-    return TrainState(jnp.zeros((), jnp.int32), params, variables.get(FP8_COLLECTION, {}),
-                      opt_state)
+    return init_state(self.model, self.tx, self.level, t.microbatch_size, d.seq_len, t.seed)
 
   def _zero_plan(self):
     """The ZeRO plan over all devices when the run shards (stage > 0) or has several
     processes; None for the single-device path."""
     stage = self.config.zero_stage()
-    if stage == 0 and jax.process_count() == 1:
+    if stage == 0 and jax.process_count() == 1 and self.config.parallel.device_map is None:
       return None
     from fp8jax import parallel
     mesh = parallel.mesh_from_config(self.config.parallel)
@@ -92,8 +90,47 @@ class Trainer:
                          reduce_bucket_size=p.reduce_bucket_size,
                          allgather_bucket_size=p.allgather_bucket_size)
 
+  def _group_seconds(self) -> list[float] | None:
+    """Seconds per microbatch of each data-parallel group, from parallel.device_map."""
+    if self.config.parallel.device_map is None:
+      return None
+    kinds = [d.device_kind for d in balanced.group_devices(self.zero.mesh)]
+    return device_map_lib.seconds_per_microbatch(self.config.parallel.device_map, kinds,
+                                                 self.config.train.microbatch_size)
+
+  def balanced_counts(self, microbatches: int) -> tuple[int, ...]:
+    """Microbatches per data-parallel group for a step of `microbatches` (device_map runs)."""
+    return balance.balance_counts(self.group_seconds, microbatches)
+
+  def _balanced_step_fn(self, microbatches: int):
+    counts = self.balanced_counts(microbatches)
+    mesh, m = self.zero.mesh, self.config.train.microbatch_size
+    sharding = balanced.batch_sharding(mesh)
+    step = jax.jit(guards.skip_nonfinite_steps(
+        balanced.make_balanced_train_step(self.model.apply, self.tx, mesh)),
+        in_shardings=(self.zero.state, sharding, sharding),
+        out_shardings=(self.zero.state, jax.sharding.NamedSharding(mesh, P())),
+        donate_argnums=0)
+    counts_array = balanced.put_global(np.asarray(counts, np.int32), sharding)
+    return lambda state, batch: step(
+        state, balanced.put_global(balanced.layout_batch(batch, counts, m), sharding),
+        counts_array)
+
+  def _put_replicated(self, batch) -> jax.Array:
+    """`batch` (the same on every process) on every device of the mesh."""
+    return balanced.put_global(batch, jax.sharding.NamedSharding(self.zero.mesh, P()))
+
+  def _put_eval(self, batch):
+    """Placement of an evaluation batch: sharded over the batch axes (uniform runs) or
+    replicated (balanced runs: its size need not divide by the groups)."""
+    if self.group_seconds is not None:
+      return self._put_replicated(batch)
+    return self.zero.shard_batch(batch) if self.zero is not None else batch
+
   def step_fn(self, microbatches: int):
     """The jitted train step for `microbatches` microbatches (one compile per count)."""
+    if microbatches not in self._steps and self.group_seconds is not None:
+      self._steps[microbatches] = self._balanced_step_fn(microbatches)
     if microbatches not in self._steps and self.zero is not None:
       step = self.zero.train_step(self.model.apply, self.tx, microbatches,
                                   wrap=guards.skip_nonfinite_steps)
@@ -112,8 +149,8 @@ class Trainer:
     """Mean validation loss over `eval_batches` fixed batches (the same ones every time)."""
     t, d = self.config.train, self.config.data
     val = self.data.batches("val", t.microbatch_size, d.seq_len, seed=d.seed)
-    put = self.zero.shard_batch if self.zero is not None else (lambda b: b)
-    losses = [float(self._eval(self.state, put(val.next()))) for _ in range(t.eval_batches)]
+    losses = [float(self._eval(self.state, self._put_eval(val.next())))
+              for _ in range(t.eval_batches)]
     return float(np.mean(losses))
 
   def _log_window(self, step, losses, tokens, seconds, grad_norm) -> dict:
@@ -145,6 +182,11 @@ class Trainer:
     state_bytes = fp8_optim.tree_bytes((self.state.params, self.state.opt_state)) / n
     if jax.process_count() > 1:
       print(f"fp8jax train: process {jax.process_index()} of {jax.process_count()}")
+    if primary:
+      for line in self.capability.lines():
+        print(f"fp8jax train: {line}")
+      if self.group_seconds is not None:
+        print(f"fp8jax train: {self._balance_line(cfg.microbatches_at(start))}")
     print(f"fp8jax train: level {self.level.name}, {n / 1e6:.2f}M params "
           f"({state_bytes:.2f} bytes/param of weights + optimizer state), {t.steps} steps, "
           f"data: {self.data.description}; logs: {os.path.abspath(self.run_dir)}")
@@ -197,6 +239,20 @@ class Trainer:
     print(f"done: loss {final['loss']:.4f}, val_loss {final['val_loss']:.4f}; "
           f"TensorBoard/JSONL logs in {os.path.abspath(self.run_dir)}")
     return final
+
+  def _balance_line(self, microbatches: int) -> str:
+    """The balanced split of a step of `microbatches` and its predicted gain, in words."""
+    counts = self.balanced_counts(microbatches)
+    kinds = [d.device_kind for d in balanced.group_devices(self.zero.mesh)]
+    uniform = balance.uniform_counts(len(counts), microbatches)
+    gain = ""
+    if uniform is not None:
+      ratio = balance.makespan(uniform, self.group_seconds) / balance.makespan(
+          counts, self.group_seconds)
+      gain = f"; predicted compute time uniform / balanced = {ratio:.2f}x"
+    split = ", ".join(f"{k}: {c}" for k, c in zip(kinds, counts))
+    return (f"balanced microbatches of {self.config.train.microbatch_size} sequences per "
+            f"device ({microbatches} per step): {split}{gain}")
 
   # ------------------------------------------------------------------ fault tolerance
 
@@ -322,8 +378,7 @@ class Trainer:
                                                    b[:, 1:]), parts)
         return jnp.mean(each)
       self._bf16_eval[n] = jax.jit(loss)
-    put = self.zero.shard_batch if self.zero is not None else (lambda b: b)
-    return self._bf16_eval[n](state.model_params(), put(batch))
+    return self._bf16_eval[n](state.model_params(), self._put_eval(batch))
 
   def fall_back_to_bf16(self, reason: str, record: bool = True) -> None:
     """Switches the run to BF16 (O0) GEMMs, keeping parameters and optimizer state; the

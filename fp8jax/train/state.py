@@ -5,8 +5,11 @@ from typing import Any, NamedTuple
 
 import jax
 
+import jax.numpy as jnp
+import numpy as np
+
 from fp8jax.linen import FP8_COLLECTION
-from fp8jax.optim import MasterWeights, master_params
+from fp8jax.optim import MasterWeights, init_master, master_params
 
 
 class TrainState(NamedTuple):
@@ -31,3 +34,16 @@ class TrainState(NamedTuple):
   def variables(self) -> dict:
     """The Flax variables dict the model is applied with."""
     return {"params": self.model_params(), **({FP8_COLLECTION: self.fp8} if self.fp8 else {})}
+
+
+def init_state(model, tx, level, batch_size: int, seq_len: int, seed: int) -> TrainState:
+  """A fresh TrainState: `model` initialised on int32[batch_size, seq_len] tokens with
+  ``jax.random.key(seed)``, `tx`'s state, FP16 master weights where `level` keeps them."""
+  tokens = jnp.zeros((batch_size, seq_len), jnp.int32)
+  variables = jax.jit(model.init)(jax.random.key(seed), tokens)  # one compile
+  params = variables["params"]
+  opt_state = tx.init(params)
+  if np.dtype(level.master_dtype) != np.dtype(np.float32):  # O2/O3: FP16 master weights
+    params = init_master(params, level.master_dtype)
+  return TrainState(jnp.zeros((), jnp.int32), params, variables.get(FP8_COLLECTION, {}),
+                    opt_state)

@@ -72,22 +72,30 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
       return (loss_sum + loss, accumulate_gradients(acc, g)), None
 
     (loss_sum, acc), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), parts)
-    param_grads = jax.tree.map(lambda g: g / microbatches, acc["params"])
-    params = state.model_params()
-    grad_norm = optax.tree.norm(param_grads)
-    updates, opt_state = tx.update(param_grads, state.opt_state, params)
-    fp8 = apply_fp8_updates(state.variables(), acc).get(FP8_COLLECTION, {})
-    if isinstance(state.params, MasterWeights):  # FP16 master weights: update in f32, re-round
-      # The level's optimizer zeroes the updates of a step with non-finite gradients, so the
-      # gradient norm decides finiteness (no second pass over the updates).
-      new_params = apply_master_updates(state.params, updates, finite=jnp.isfinite(grad_norm))
-    else:
-      new_params = optax.apply_updates(state.params, updates)
-    new_state = TrainState(state.step + 1, new_params, fp8, opt_state)
-    return new_state, {"loss": loss_sum / microbatches,
-                       "grad_norm": grad_norm}
+    acc = {**acc, "params": jax.tree.map(lambda g: g / microbatches, acc["params"])}
+    return apply_gradients(state, tx, acc, loss_sum / microbatches)
 
   return step
+
+
+def apply_gradients(state: TrainState, tx: optax.GradientTransformation, grads, loss):
+  """The update half of a step: ``(new_state, {"loss", "grad_norm"})``.
+
+  `grads`: the step's gradient of all variables: mean parameter gradients under "params"
+  and the FP8 state combined by max over microbatches under the FP8 collection.
+  """
+  param_grads = grads["params"]
+  grad_norm = optax.tree.norm(param_grads)
+  updates, opt_state = tx.update(param_grads, state.opt_state, state.model_params())
+  fp8 = apply_fp8_updates(state.variables(), grads).get(FP8_COLLECTION, {})
+  if isinstance(state.params, MasterWeights):  # FP16 master weights: update in f32, re-round
+    # The level's optimizer zeroes the updates of a step with non-finite gradients, so the
+    # gradient norm decides finiteness (no second pass over the updates).
+    new_params = apply_master_updates(state.params, updates, finite=jnp.isfinite(grad_norm))
+  else:
+    new_params = optax.apply_updates(state.params, updates)
+  new_state = TrainState(state.step + 1, new_params, fp8, opt_state)
+  return new_state, {"loss": loss, "grad_norm": grad_norm}
 
 
 def make_eval_step(apply_fn: Callable):

@@ -1,0 +1,163 @@
+"""The balanced train step: each data-parallel group runs its own number of microbatches.
+
+On a mesh of unequal devices (A100 + H100), shards must keep equal shapes, so every group
+(device along the mesh's data axes) runs microbatches of the same size m, and a faster group
+runs more of them (counts from :mod:`fp8jax.parallel.balance`). Layout:
+
+  batch  int32[G, n, m, T+1], sharded over the groups; group i uses its first counts[i]
+         microbatches (the rest is padding, never read)
+  counts int32[G], the same sharding; sum(counts) * m = the step's sequences
+
+Inside ``shard_map`` each group loops over its own count with no collective in the loop
+(groups finish at different times and never wait for each other mid-step), summing the
+microbatches' mean-loss gradients; then one reduction adds the sums and the counts. Each
+microbatch holds the same m x T tokens, so sum / count weights every microbatch by its tokens:
+exactly the full-batch mean-loss gradient whatever the counts. FP8
+state combines by max over microbatches and then over groups (a group with no microbatch
+contributes nothing). The optimizer update follows as in :func:`fp8jax.train.step.make_train_step`.
+
+Parameters enter the loop replicated (under ZeRO-2/3 XLA gathers them once per step at the
+``shard_map`` boundary; stage 3 then holds full weights for the step, like stage 2).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fp8jax.accumulate import accumulate_gradients
+from fp8jax.scaling import combine_max
+from fp8jax.train.state import TrainState
+from fp8jax.train.step import apply_gradients, cross_entropy
+
+
+def group_axes(mesh: Mesh, axes: Sequence[str] = ("data", "fsdp")) -> tuple[str, ...]:
+  """The mesh axes that split the batch (those of `axes` present in `mesh`)."""
+  out = tuple(a for a in axes if a in mesh.shape)
+  if not out:
+    raise ValueError(f"mesh axes {tuple(mesh.shape)} contain none of {tuple(axes)}")
+  return out
+
+
+def group_count(mesh: Mesh, axes: Sequence[str] = ("data", "fsdp")) -> int:
+  """Number of data-parallel groups G."""
+  return int(np.prod([mesh.shape[a] for a in group_axes(mesh, axes)]))
+
+
+def group_devices(mesh: Mesh, axes: Sequence[str] = ("data", "fsdp")) -> list:
+  """The first device of each group, in group order (for its kind)."""
+  names = list(mesh.axis_names)
+  keep = group_axes(mesh, axes)
+  devices = np.moveaxis(mesh.devices, [names.index(a) for a in keep],
+                        list(range(len(keep))))
+  return list(devices.reshape(group_count(mesh, axes), -1)[:, 0])
+
+
+def layout_batch(batch: np.ndarray, counts: Sequence[int], microbatch_size: int) -> np.ndarray:
+  """int32[B, T+1] -> int32[G, max(counts), m, T+1]: group i gets the next counts[i]
+  microbatches of m sequences, in order; unused slots are zeros."""
+  counts = [int(c) for c in counts]
+  if any(c < 0 for c in counts) or sum(counts) < 1:
+    raise ValueError(f"counts {counts} must be >= 0 with a positive sum")
+  if batch.shape[0] != sum(counts) * microbatch_size:
+    raise ValueError(f"batch of {batch.shape[0]} sequences != sum(counts)={sum(counts)} x "
+                     f"microbatch_size={microbatch_size}")
+  out = np.zeros((len(counts), max(counts), microbatch_size, *batch.shape[1:]), batch.dtype)
+  start = 0
+  for i, c in enumerate(counts):
+    n = c * microbatch_size
+    out[i, :c] = batch[start:start + n].reshape(c, microbatch_size, *batch.shape[1:])
+    start += n
+  return out
+
+
+def _mean_loss(apply_fn: Callable, variables, part):
+  """Mean next-token loss (f32 nats) of part int32[m, T+1]."""
+  return cross_entropy(apply_fn(variables, part[:, :-1]), part[:, 1:])
+
+
+def _local_grads(apply_fn: Callable, axes: tuple[str, ...], variables, batch, counts, repeats):
+  """One group's loop over its microbatches, then the one cross-group reduction."""
+  batch, count, repeat = batch[0], counts[0], repeats[0]
+  grad_fn = jax.value_and_grad(functools.partial(_mean_loss, apply_fn))
+
+  def extra_work(part, carry):
+    """`repeat` more forward+backward passes whose results are added times zero (a slowdown
+    hook for tests and benchmarks; the loop carry keeps XLA from hoisting them)."""
+    def again(_, c):
+      shift, acc = c
+      moved = jax.tree.map(lambda v: v + shift.astype(v.dtype), variables)
+      loss, g = grad_fn(moved, part)
+      return 0.0 * loss, jax.tree.map(lambda a, b: a + 0.0 * b.astype(a.dtype), acc, g)
+    return lax.fori_loop(0, repeat, again, (jnp.zeros((), jnp.float32), carry))[1]
+
+  def one(i, carry):
+    loss_sum, acc = carry
+    part = lax.dynamic_index_in_dim(batch, i, keepdims=False)
+    loss, g = grad_fn(variables, part)
+    acc = accumulate_gradients(acc, g)
+    acc = extra_work(part, acc)
+    return loss_sum + loss, acc
+
+  zeros = jax.tree.map(jnp.zeros_like, variables)
+  loss_sum, acc = lax.fori_loop(0, count, one, (jnp.zeros((), jnp.float32), zeros))
+  # Every microbatch holds m x T target tokens, so weighting each microbatch's mean-loss
+  # gradient by its tokens is dividing the sum by the step's microbatch count.
+  total, loss_sum = lax.psum((count.astype(jnp.float32), loss_sum), axes)
+  params = lax.psum(acc["params"], axes)
+  params = jax.tree.map(lambda g: g / total.astype(g.dtype), params)
+  grads = {**acc, "params": params}
+  rest = {k: v for k, v in acc.items() if k != "params"}
+  if rest:  # FP8 state: max over microbatches (in the loop), then over groups
+    stacked = lax.all_gather(rest, axes)
+    groups = jax.tree.leaves(stacked)[0].shape[0]
+    merged = functools.reduce(combine_max, [jax.tree.map(lambda x: x[j], stacked)
+                                            for j in range(groups)])
+    grads = {**merged, "params": params}
+  return grads, loss_sum / total
+
+
+def make_balanced_train_step(apply_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh,
+                             axes: Sequence[str] = ("data", "fsdp")):
+  """A jittable ``step(state, batch, counts, repeats=None) -> (state, metrics)``.
+
+  Args:
+    apply_fn: ``apply_fn(variables, tokens[m, T]) -> logits[m, T, V]``.
+    tx: the optimizer (with clipping), as for ``make_train_step``.
+    mesh: the device mesh; groups are the devices along `axes` (other axes replicate).
+  The step's arguments: batch int32[G, n, m, T+1] and counts int32[G] (module docstring),
+  sharded over the groups; `repeats` int32[G] (optional) adds that many extra forward+backward
+  passes per microbatch on each group (a slowdown hook: same program, different data).
+  Metrics: loss (mean over the step's tokens), grad_norm (before clipping).
+  """
+  axes = group_axes(mesh, axes)
+  spec = P(axes)
+
+  def step(state: TrainState, batch, counts, repeats=None):
+    if repeats is None:
+      repeats = jnp.zeros_like(counts)
+    local = functools.partial(_local_grads, apply_fn, axes)
+    grads, loss = jax.shard_map(local, mesh=mesh, in_specs=(P(), spec, spec, spec),
+                                out_specs=(P(), P()), check_vma=False)(
+        state.variables(), batch, counts, repeats)
+    return apply_gradients(state, tx, grads, loss)
+
+  return step
+
+
+def batch_sharding(mesh: Mesh, axes: Sequence[str] = ("data", "fsdp")) -> NamedSharding:
+  """Sharding of the balanced batch / counts: leading axis over the groups."""
+  return NamedSharding(mesh, P(group_axes(mesh, axes)))
+
+
+def put_global(x: np.ndarray, sharding: NamedSharding) -> jax.Array:
+  """A host array that every process holds in full, placed with `sharding`."""
+  x = np.asarray(x)
+  return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
