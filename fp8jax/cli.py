@@ -3,7 +3,8 @@
 ``fp8jax train --config configs/tiny.yaml [--set train.steps=50]``: trains the reference
 decoder; ``fp8jax plot RUN_DIR...``: overlays runs' loss curves and FP8 scales in a PNG.
 ``fp8jax launch -n N [--max-restarts R] -- COMMAND``: N supervised local processes
-(``fp8jax.launch``). ``fp8jax check``: lists the devices, says whether FP8 GEMMs run natively or emulated (and
+(``fp8jax.launch``). ``fp8jax profile --config C``: seconds per microbatch vs microbatch size
+on this device kind, written as a throughput profile (``fp8jax.parallel.profile``). ``fp8jax check``: lists the devices, says whether FP8 GEMMs run natively or emulated (and
 why), and compares one Dense layer's forward+backward in FP8 against BF16: relative error of
 output, input gradient and weight gradient vs a float64 reference, and time per step.
 """
@@ -116,6 +117,26 @@ def cmd_train(args) -> int:
   return 0
 
 
+def cmd_profile(args) -> int:
+  import jax
+  from fp8jax.config import load_config
+  from fp8jax.parallel import profile
+  if jax.process_count() > 1:
+    print("fp8jax profile measures the local devices of one process; run it without "
+          "fp8jax launch", file=sys.stderr)
+    return 2
+  config = load_config(args.config, args.set)
+  sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else \
+      [2**i for i in range(8) if 2**i <= config.train.microbatch_size * 4]
+  limit = None if args.memory_limit_gib is None else int(args.memory_limit_gib * 2**30)
+  data = profile.measure(config, sizes, steps=args.steps, memory_limit_bytes=limit)
+  path = profile.write(data, args.out or profile.default_path(data))
+  print(profile.table(data))
+  print(f"profile written to {path}; use it with --set parallel.device_map=<folder> or "
+        f"device_map: {{KIND: {{profile: {path}}}}}")
+  return 0
+
+
 def cmd_launch(args) -> int:
   from fp8jax.launch import launch
   command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -144,6 +165,21 @@ def build_parser() -> argparse.ArgumentParser:
                      help="override one config value (repeatable)")
   train.add_argument("--no-progress", action="store_true", help="no progress bar")
   train.set_defaults(func=cmd_train)
+  prof = sub.add_parser("profile", help="measure seconds per microbatch vs microbatch size on "
+                        "this device kind (a throughput profile for parallel.device_map)")
+  prof.add_argument("--config", default=None, help="YAML config (model, level, seq_len)")
+  prof.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override one config value (repeatable)")
+  prof.add_argument("--sizes", default=None, metavar="M1,M2,...",
+                    help="microbatch sizes in sequences (default: powers of two up to 4x the "
+                         "config's microbatch)")
+  prof.add_argument("--steps", type=int, default=5, help="timed steps per size (median)")
+  prof.add_argument("--memory-limit-gib", type=float, default=None,
+                    help="sizes whose compiled peak exceeds this do not fit (default: the "
+                         "device's memory)")
+  prof.add_argument("--out", default=None, help="JSON path (default: profiles/<kind>-<level>-"
+                    "T<seq_len>.json)")
+  prof.set_defaults(func=cmd_profile)
   launch = sub.add_parser("launch", help="run a command as N local processes (jax.distributed "
                           "variables set), restart failed attempts")
   launch.add_argument("-n", "--num-processes", type=int, default=1, help="processes (default 1)")

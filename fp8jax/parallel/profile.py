@@ -136,7 +136,9 @@ def measure(config, sizes: Sequence[int], steps: int = 5,
                       clip_norm=t.gradient_clipping, level=level)
   points = []
   with jax.default_device(device):
-    state = init_state(model, tx, level, sizes[0], d.seq_len, t.seed)
+    # Committed to the device, so the step's output (committed) matches its input: one
+    # compile per size.
+    state = jax.device_put(init_state(model, tx, level, sizes[0], d.seq_len, t.seed), device)
     step = jax.jit(skip_nonfinite_steps(make_train_step(model.apply, tx, 1)),
                    donate_argnums=0)
     rng = np.random.default_rng(0)
@@ -146,12 +148,13 @@ def measure(config, sizes: Sequence[int], steps: int = 5,
       point = {"microbatch": m, "seconds": None, "tokens_per_s": None, "peak_bytes": None,
                "fits": False}
       try:
-        point["peak_bytes"] = _peak_bytes(step.lower(state, batch).compile())
+        compiled = step.lower(state, batch).compile()
+        point["peak_bytes"] = _peak_bytes(compiled)
         if limit is not None and point["peak_bytes"] is not None and \
             point["peak_bytes"] > limit:
           points.append(point)
           break
-        seconds, state = _median_seconds(step, state, batch, steps)
+        seconds, state = _median_seconds(compiled, state, batch, steps)
       except Exception as e:  # noqa: BLE001 - only out-of-memory ends the sweep quietly
         if not _is_oom(e):
           raise

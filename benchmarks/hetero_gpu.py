@@ -1,0 +1,141 @@
+"""Heterogeneous-mesh measurements on the lent GPUs (the cost model's inputs and its check).
+
+  python benchmarks/hetero_gpu.py emulation --config configs/gpt_1_3b.yaml --microbatch 8
+      one GPU: seconds per train step of one microbatch at O0, O1 with native FP8 GEMMs and O1
+      with FP8 GEMMs emulated (the plan of a pre-Ada GPU installed): the emulation overhead an
+      A100 pays over its BF16 speed, measured on this GPU.
+  python benchmarks/hetero_gpu.py balance --config configs/gpt_125m.yaml --microbatch 8 \
+      --repeats 1,0
+      all local GPUs as data-parallel groups; `repeats` extra forward+backward passes per
+      microbatch slow chosen GPUs down (GPU 0 at half speed with 1,0). Measures single-group
+      splits (the per-group profile and the fixed cost of reduction + update), then the uniform
+      and the balanced split of --total microbatches, and prints the prediction
+      makespan(counts, measured seconds) + fixed cost next to the measured step.
+Both print a table and write JSON to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from fp8jax.config import load_config
+from fp8jax.models.gpt import GPT, ModelConfig
+from fp8jax.parallel import balance, capability, make_mesh, profile
+from fp8jax.train import balanced
+from fp8jax.train.optimizer import lr_schedule, make_optimizer
+from fp8jax.train.state import init_state
+
+
+def emulation(args) -> dict:
+  rows = {}
+  for name, level, emulate in [("O0 (BF16)", "O0", False), ("O1 native FP8", "O1", False),
+                               ("O1 emulated FP8", "O1", True)]:
+    config = load_config(args.config, args.set + [f"train.opt_level={level}"])
+    report = capability.local_report()
+    if emulate:  # what a pre-Ada GPU would run: FP8 values upcast to BF16
+      report = report._replace(device_kind="emulated (A100 plan)", compute_capability="8.0")
+    capability.install(capability.decide([report]))
+    data = profile.measure(config, [args.microbatch], steps=args.steps)
+    capability.install(None)
+    rows[name] = data["points"][0]
+    print(f"{name:>18}: {1e3 * rows[name]['seconds']:8.1f} ms/step "
+          f"({rows[name]['tokens_per_s']:,.0f} tokens/s)", flush=True)
+  base = rows["O0 (BF16)"]["seconds"]
+  for name, p in rows.items():
+    print(f"{name:>18}: {base / p['seconds']:.3f}x O0")
+  return {"config": args.config, "microbatch": args.microbatch,
+          "device": jax.devices()[0].device_kind, "rows": rows}
+
+
+def _timed(fn, *a, steps: int) -> float:
+  jax.block_until_ready(fn(*a))
+  times = []
+  for _ in range(steps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*a))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+def balance_run(args) -> dict:
+  config = load_config(args.config, args.set)
+  level, t, d = config.level(), config.train, config.data
+  model = GPT(ModelConfig(**dataclasses.asdict(config.model)), level.recipe)
+  tx = make_optimizer(lr_schedule(t.learning_rate, t.warmup_steps, t.steps, t.min_lr_ratio),
+                      b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
+                      clip_norm=t.gradient_clipping, level=level)
+  mesh = make_mesh()
+  groups = balanced.group_count(mesh)
+  state = jax.device_put(init_state(model, tx, level, args.microbatch, d.seq_len, t.seed),
+                         NamedSharding(mesh, P()))
+  sharding = balanced.batch_sharding(mesh)
+  put = lambda x: balanced.put_global(np.asarray(x), sharding)
+  step = jax.jit(balanced.make_balanced_train_step(model.apply, tx, mesh))
+  repeats = [int(r) for r in args.repeats.split(",")]
+  assert len(repeats) == groups, f"--repeats needs {groups} values"
+  slow = put(np.asarray(repeats, np.int32))
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, config.model.vocab_size,
+                        (args.total * args.microbatch, d.seq_len + 1), dtype=np.int32)
+
+  def measure(counts) -> float:
+    rows = tokens[:sum(counts) * args.microbatch]
+    return _timed(step, state, put(balanced.layout_batch(rows, counts, args.microbatch)),
+                  put(np.asarray(counts, np.int32)), slow, steps=args.steps)
+
+  one = lambda g, n: tuple(n if i == g else 0 for i in range(groups))
+  single = {g: (measure(one(g, 1)), measure(one(g, 2))) for g in range(groups)}
+  per_mb = [single[g][1] - single[g][0] for g in range(groups)]  # seconds per microbatch
+  fixed = float(np.mean([single[g][0] - per_mb[g] for g in range(groups)]))  # reduce+update
+  uniform = balance.uniform_counts(groups, args.total)
+  best = balance.balance_counts(per_mb, args.total)
+  out = {"config": args.config, "microbatch": args.microbatch, "seq_len": d.seq_len,
+         "level": level.name, "repeats": repeats, "groups": groups,
+         "device": jax.devices()[0].device_kind, "seconds_per_microbatch": per_mb,
+         "fixed_seconds": fixed, "splits": {}}
+  print(f"{groups} groups of {jax.devices()[0].device_kind}, repeats {repeats}: seconds per "
+        f"microbatch {[round(s * 1e3, 1) for s in per_mb]} ms, fixed (reduce + update) "
+        f"{fixed * 1e3:.1f} ms")
+  print(f"{'split':>14} {'measured ms':>12} {'predicted ms':>13} {'error':>7}")
+  for name, counts in [("uniform", uniform), ("balanced", best)]:
+    if counts is None:
+      continue
+    measured = measure(counts)
+    predicted = balance.makespan(counts, per_mb) + fixed
+    out["splits"][name] = {"counts": list(counts), "measured": measured,
+                           "predicted": predicted}
+    print(f"{name + ' ' + ','.join(map(str, counts)):>14} {measured * 1e3:12.1f} "
+          f"{predicted * 1e3:13.1f} {100 * (predicted / measured - 1):+6.1f}%")
+  if len(out["splits"]) == 2:
+    s = out["splits"]
+    print(f"balanced vs uniform: measured {s['uniform']['measured'] / s['balanced']['measured']:.2f}x, "
+          f"predicted {s['uniform']['predicted'] / s['balanced']['predicted']:.2f}x")
+  return out
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("part", choices=["emulation", "balance"])
+  parser.add_argument("--config", default="configs/gpt_125m.yaml")
+  parser.add_argument("--set", action="append", default=[])
+  parser.add_argument("--microbatch", type=int, default=8, help="sequences per microbatch")
+  parser.add_argument("--total", type=int, default=8, help="microbatches per step (balance)")
+  parser.add_argument("--repeats", default="1,0", help="extra passes per microbatch per group")
+  parser.add_argument("--steps", type=int, default=5, help="timed steps (median)")
+  parser.add_argument("--out", default=None, help="JSON output path")
+  args = parser.parse_args()
+  result = emulation(args) if args.part == "emulation" else balance_run(args)
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
