@@ -149,6 +149,43 @@ def cmd_plot(args) -> int:
   return 0
 
 
+def _stages(text: str) -> list[int]:
+  """ZeRO stages of "1,3" (O3 runs stage 0 as 1: it always shards)."""
+  try:
+    return [int(z) for z in text.split(",") if z.strip()]
+  except ValueError:
+    raise SystemExit(f"--zero {text!r} is not a comma-separated list of stages 0..3") from None
+
+
+def cmd_simulate(args) -> int:
+  """Prints predicted step times of a mixed cluster, uniform vs balanced split."""
+  from fp8jax.config import load_config
+  from fp8jax.parallel import cost_model as cm
+  config = load_config(args.config)
+  cluster = cm.parse_cluster(args.cluster, args.gpus_per_node, args.inter_node_gbps * 1e9 / 8)
+  batch = args.batch or config.train.batch_size
+  seq_len = args.seq_len or config.data.seq_len
+  profiles = {}  # {(level, seq_len): {kind: KindProfile}}
+  for item in args.profile:
+    kind, sep, path = item.partition("=")
+    if not sep or not path:
+      raise SystemExit(f"--profile {item!r} is not KIND=PATH; e.g. H100-SXM=h100.json")
+    data, prof = cm.read_profile(path), cm.load_profile(path)
+    if cm.gpu_spec(kind).name != prof.kind:
+      raise SystemExit(f"--profile {item!r}: the file measured {data['device_kind']!r} "
+                       f"({prof.kind}), not {cm.gpu_spec(kind).name}")
+    profiles.setdefault((data["level"].upper(), data["seq_len"]), {})[prof.kind] = prof
+    print(f"profile {path}: {prof.kind} at {data['level']}, T={data['seq_len']} (used for "
+          "that level and sequence length only)")
+  runs = []
+  for level in [x.strip().upper() for x in args.levels.split(",") if x.strip()]:
+    for stage in sorted({max(z, int(level == "O3")) for z in _stages(args.zero)}):
+      runs.append(cm.predict(cluster, cm.model_config_of(config), seq_len, batch, level, stage,
+                             profiles=profiles.get((level, seq_len))))
+  print(cm.format_table(runs))
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="fp8jax", description=__doc__.splitlines()[0])
   sub = parser.add_subparsers(dest="command", required=True)
@@ -194,6 +231,22 @@ def build_parser() -> argparse.ArgumentParser:
   plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
   plot.add_argument("-o", "--output", default="runs.png", help="PNG path (default: runs.png)")
   plot.set_defaults(func=cmd_plot)
+  sim = sub.add_parser("simulate", help="predicted step time of a mixed-GPU cluster, uniform "
+                       "vs throughput-balanced microbatches (fp8jax.parallel.cost_model)")
+  sim.add_argument("--cluster", required=True, help="e.g. 8xA100-80GB+8xH100-SXM")
+  sim.add_argument("--config", required=True, help="YAML config, e.g. configs/gpt_7b.yaml")
+  sim.add_argument("--levels", default="O0,O2,O3", help="comma-separated (default O0,O2,O3)")
+  sim.add_argument("--zero", default="1,3", help="ZeRO stages, comma-separated (default 1,3)")
+  sim.add_argument("--batch", type=int, default=None,
+                   help="global batch in sequences (default: the config's train.batch_size)")
+  sim.add_argument("--seq-len", type=int, default=None,
+                   help="tokens per sequence (default: the config's data.seq_len)")
+  sim.add_argument("--gpus-per-node", type=int, default=8, help="default 8")
+  sim.add_argument("--inter-node-gbps", type=float, default=400.0,
+                   help="inter-node bandwidth per GPU, Gb/s (default 400)")
+  sim.add_argument("--profile", action="append", default=[], metavar="KIND=PATH",
+                   help="measured profile JSON (`fp8jax profile`) for one kind (repeatable)")
+  sim.set_defaults(func=cmd_simulate)
   return parser
 
 

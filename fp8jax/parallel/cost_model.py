@@ -1,0 +1,658 @@
+"""Step-time model of a data-parallel cluster that mixes GPU kinds, uniform vs balanced split.
+
+Every GPU is one data-parallel group with equal microbatch shapes; the uniform split gives
+each the same number of microbatches, the balanced split (:mod:`fp8jax.parallel.balance`)
+gives faster kinds more. A step is modelled as
+
+  step = compute makespan + (1 - overlap) x communication + optimizer update
+
+with compute from FLOPs and an MFU calibrated on fp8jax runs (or from measured profiles),
+communication from ring-collective bytes over the slowest link, the update from HBM bytes.
+Memory per GPU decides the largest microbatch and whether a kind can run the level at all.
+Pure Python: no devices are needed. Every constant is a field of :class:`Assumptions`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+from typing import Mapping, NamedTuple, Sequence
+
+from fp8jax.models.gpt import ModelConfig, flops_per_token, matmul_param_count
+from fp8jax.parallel.balance import KindProfile, balance_counts, makespan, uniform_counts
+from fp8jax.train.metrics import peak_flops
+
+GiB = 2**30
+MiB = 2**20
+LEVELS = ("O0", "O1", "O2", "O3")
+STAGES = (0, 1, 2, 3)
+PROFILE_FORMAT = "fp8jax-profile/1"
+
+
+# ----------------------------------------------------------------------------- GPU kinds
+
+class GpuSpec(NamedTuple):
+  """One GPU kind. FLOP/s dense (no sparsity); bandwidths bytes/s per direction."""
+
+  name: str
+  bf16_flops: float
+  fp8_flops: float | None  # None: no FP8 tensor cores, FP8 GEMMs are emulated
+  hbm_bytes: int           # total memory as nvidia-smi reports it
+  hbm_bw: float            # HBM bytes/s
+  nvlink_bw: float         # intra-node bytes/s per GPU per direction (PCIe where no NVLink)
+
+
+def _spec(name: str, hbm_mib: int, hbm_bw: float, nvlink_bw: float) -> GpuSpec:
+  """A spec whose peaks come from fp8jax.train.metrics (the numbers MFU is reported with)."""
+  bf16, fp8 = peak_flops(name, False), peak_flops(name, True)
+  return GpuSpec(name, bf16, None if fp8 == bf16 else fp8, hbm_mib * MiB, hbm_bw, nvlink_bw)
+
+
+# Vendor datasheets. NVLink: half the bidirectional figure (A100 600 GB/s, H100/H200 900,
+# H800 400, B200 1800); PCIe parts: PCIe Gen5 (H100-PCIe) / Gen4 (L40S) x16 per direction.
+GPU_SPECS = {s.name: s for s in (
+    _spec("A100-40GB", 40960, 1.555e12, 300e9),
+    _spec("A100-80GB", 81920, 2.039e12, 300e9),
+    _spec("H100-SXM", 81559, 3.35e12, 450e9),
+    _spec("H100-PCIe", 81559, 2.0e12, 64e9),
+    _spec("H200", 143771, 4.8e12, 450e9),
+    _spec("H800", 81559, 3.35e12, 200e9),
+    _spec("L40S", 46068, 0.864e12, 32e9),
+    _spec("B200", 183359, 8.0e12, 900e9),
+)}
+
+# (kind, substrings that must all occur) in the upper-cased name without spaces, "-", "_",
+# first match wins: "NVIDIA A100-SXM4-80GB" -> A100-80GB, "NVIDIA H100 80GB HBM3" -> H100-SXM.
+_PATTERNS = (
+    ("A100-80GB", ("A100", "80GB")), ("A100-40GB", ("A100", "40GB")),
+    ("H100-PCIe", ("H100", "PCIE")), ("H100-SXM", ("H100",)), ("H200", ("H200",)),
+    ("H800", ("H800",)), ("L40S", ("L40S",)), ("B200", ("B200",)),
+)
+
+
+def gpu_spec(kind: str) -> GpuSpec:
+  """The spec of `kind`: a GPU_SPECS name or a jax device_kind ("NVIDIA H100 80GB HBM3")."""
+  if not isinstance(kind, str) or not kind.strip():
+    raise ValueError(f"GPU kind {kind!r} is not allowed; use one of {sorted(GPU_SPECS)}")
+  flat = re.sub(r"[\s_\-]", "", kind.upper()).replace("NVIDIA", "")
+  if "GH200" not in flat:
+    for name, parts in _PATTERNS:
+      if all(p in flat for p in parts):
+        return GPU_SPECS[name]
+  hint = " (A100 needs its memory size: A100-40GB or A100-80GB)" if "A100" in flat else ""
+  raise ValueError(f"unknown GPU kind {kind!r}{hint}; known kinds: {sorted(GPU_SPECS)}")
+
+
+def fp8_native(kind: str) -> bool:
+  """Whether `kind` has FP8 tensor cores (else fp8jax emulates FP8 GEMMs in BF16)."""
+  return gpu_spec(kind).fp8_flops is not None
+
+
+# ----------------------------------------------------------------------------- cluster
+
+class ClusterSpec(NamedTuple):
+  """GPU groups as (kind, count) in mesh order; bandwidths bytes/s per GPU per direction."""
+
+  groups: tuple[tuple[str, int], ...]
+  gpus_per_node: int = 8
+  inter_node_bw: float = 50e9  # 400 Gb/s, one NIC per GPU
+
+  @property
+  def gpus(self) -> int:
+    """Data-parallel GPUs in all."""
+    return sum(n for _, n in self.groups)
+
+  def kinds(self) -> tuple[str, ...]:
+    """The kind of every GPU, in mesh order."""
+    return tuple(k for k, n in self.groups for _ in range(n))
+
+  def describe(self) -> str:
+    """The cluster as parse_cluster reads it, e.g. "8xA100-80GB+8xH100-SXM"."""
+    return "+".join(f"{n}x{k}" for k, n in self.groups)
+
+
+_GROUP = re.compile(r"^\s*(\d+)\s*[xX*]\s*(\S.*?)\s*$")
+
+
+def parse_cluster(text: str, gpus_per_node: int = 8, inter_node_bw: float = 50e9) -> ClusterSpec:
+  """ClusterSpec of "8xA100-80GB+8xH100-SXM" (groups joined by "+", each COUNTxKIND)."""
+  if not isinstance(text, str) or not text.strip():
+    raise ValueError(f"cluster {text!r} is empty; use e.g. '8xA100-80GB+8xH100-SXM'")
+  if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node < 1:
+    raise ValueError(f"gpus_per_node={gpus_per_node!r} is not allowed; use an integer >= 1")
+  if not (inter_node_bw > 0 and math.isfinite(inter_node_bw)):
+    raise ValueError(f"inter_node_bw={inter_node_bw!r} is not allowed; use bytes/s > 0")
+  groups = []
+  for part in text.split("+"):
+    match = _GROUP.match(part)
+    if not match:
+      raise ValueError(f"cluster group {part.strip()!r} in {text!r} is not COUNTxKIND; use "
+                       f"e.g. '8xH100-SXM' (kinds: {sorted(GPU_SPECS)})")
+    count = int(match.group(1))
+    if count < 1:
+      raise ValueError(f"cluster group {part.strip()!r} has count {count}; use a count >= 1")
+    groups.append((gpu_spec(match.group(2)).name, count))
+  return ClusterSpec(tuple(groups), gpus_per_node, float(inter_node_bw))
+
+
+# ----------------------------------------------------------------------------- assumptions
+
+class Assumptions(NamedTuple):
+  """Modelling constants; each names the fp8jax measurement or the guess behind it."""
+
+  # BF16 MFU of a step (model FLOPs, remat not counted): fp8jax 1.3B (configs/gpt_1_3b.yaml,
+  # B8 x T2048, remat, cuDNN attention) O0 on one H200, 282.8 ms/step: 8.459e9 FLOP/token x
+  # 16384 tokens / 0.2828 s / 989e12 = 0.495. Taken to hold for every kind and size.
+  bf16_mfu: float = 0.495
+  # Step speedup of native FP8 (O1..O3) over BF16, measured on H200: 1.16x at d_model 2048
+  # (1.3B, O1 step) and 1.36x at d_model 4096 (7B layer shape, SwiGLU d_ff 11008); linear in
+  # d_model between, constant outside.
+  fp8_speedup_small: float = 1.16
+  fp8_speedup_small_d: int = 2048
+  fp8_speedup_large: float = 1.36
+  fp8_speedup_large_d: int = 4096
+  # Kinds without FP8 tensor cores (A100) run FP8 GEMMs as casts + BF16 GEMMs: step time
+  # x this factor vs BF16. Placeholder guess, to be replaced by an A100 measurement.
+  emulated_fp8_overhead: float = 1.10
+  # Optimizer update as HBM traffic: optax adamw, 2^30 f32 params, 8.0 ms on H200 (4.8 TB/s)
+  # moves 28 bytes/param -> 28 x 2^30 / 8.0 ms / 4.8e12 = 0.78 of peak bandwidth.
+  hbm_efficiency: float = 0.78
+  # fp8jax's O2 update of the same params took 9.3 ms for ~11 bytes/param: 0.265 of peak
+  # (several fusions re-read the moments, see benchmarks/RESULTS.md "Optimizer update").
+  fp8_optimizer_hbm_efficiency: float = 0.265
+  # Ring collectives reach this fraction of the link bandwidth (assumption; nccl-tests busbw
+  # is typically 0.75-0.85 of the per-direction link rate).
+  comm_efficiency: float = 0.8
+  # Fraction of communication hidden behind compute: 0 = none (conservative).
+  overlap: float = 0.0
+  # Memory kept free for workspaces, fragmentation and the runtime: fraction of HBM.
+  workspace_reserve: float = 0.10
+  # At O2/O3 a BF16 copy of the FP16 master weights for the GEMM casts and non-FP8 ops,
+  # bytes/param, counted whole on every GPU (conservative: XLA may fuse it per layer).
+  fp8_working_copy_bytes: float = 2.0
+  # The model has no per-microbatch overhead (MFU does not depend on the microbatch), so it
+  # would pick tiny microbatches for finer balancing: take the largest microbatch whose step
+  # is within this fraction of the fastest one.
+  microbatch_tolerance: float = 0.02
+
+  def check(self) -> "Assumptions":
+    """Self, after checking every value's range (ValueError naming the bad one)."""
+    positive = ("bf16_mfu", "fp8_speedup_small", "fp8_speedup_large", "emulated_fp8_overhead",
+                "hbm_efficiency", "fp8_optimizer_hbm_efficiency", "comm_efficiency")
+    for name in positive:
+      value = getattr(self, name)
+      if not (isinstance(value, (int, float)) and 0 < value < math.inf):
+        raise ValueError(f"Assumptions.{name}={value!r} is not allowed; use a number > 0")
+    for name in ("bf16_mfu", "hbm_efficiency", "fp8_optimizer_hbm_efficiency",
+                 "comm_efficiency"):
+      if getattr(self, name) > 1:
+        raise ValueError(f"Assumptions.{name}={getattr(self, name)!r} is not allowed; use a "
+                         "fraction in (0, 1]")
+    if not 0 <= self.overlap <= 1:
+      raise ValueError(f"Assumptions.overlap={self.overlap!r} is not allowed; use a fraction "
+                       "in [0, 1]")
+    if not 0 <= self.microbatch_tolerance < math.inf:
+      raise ValueError(f"Assumptions.microbatch_tolerance={self.microbatch_tolerance!r} is "
+                       "not allowed; use a fraction >= 0")
+    if not 0 <= self.workspace_reserve < 1:
+      raise ValueError(f"Assumptions.workspace_reserve={self.workspace_reserve!r} is not "
+                       "allowed; use a fraction in [0, 1)")
+    if not self.fp8_speedup_small_d < self.fp8_speedup_large_d:
+      raise ValueError(f"Assumptions.fp8_speedup_small_d={self.fp8_speedup_small_d} must be "
+                       f"below fp8_speedup_large_d={self.fp8_speedup_large_d}")
+    return self
+
+  def describe(self) -> list[str]:
+    """One line per assumption, for printing above a table."""
+    a = self
+    return [
+        f"BF16 MFU {a.bf16_mfu:.3f} (fp8jax 1.3B O0 on H200: 282.8 ms/step)",
+        f"native FP8 step speedup {a.fp8_speedup_small:.2f}x at d_model<={a.fp8_speedup_small_d}"
+        f", {a.fp8_speedup_large:.2f}x at d_model>={a.fp8_speedup_large_d}, linear between "
+        "(H200 measurements)",
+        f"emulated FP8 (no FP8 tensor cores, e.g. A100): {a.emulated_fp8_overhead:.2f}x BF16 "
+        "step time (placeholder, not measured)",
+        f"optimizer HBM efficiency {a.hbm_efficiency:.2f} (O0/O1, 28 B/param) and "
+        f"{a.fp8_optimizer_hbm_efficiency:.3f} (O2/O3, 11 B/param) (H200 measurements)",
+        f"collectives: ring, {a.comm_efficiency:.2f} of link bandwidth, overlap "
+        f"{a.overlap:.2f}; memory reserve {a.workspace_reserve:.0%}; largest microbatch within "
+        f"{a.microbatch_tolerance:.0%} of the fastest step",
+    ]
+
+
+# ----------------------------------------------------------------------------- per-param bytes
+
+def _check_level(level: str) -> str:
+  key = str(level).upper()
+  if key not in LEVELS:
+    raise ValueError(f"level {level!r} is not allowed; use one of {list(LEVELS)}")
+  return key
+
+
+def _check_stage(level: str, stage: int) -> int:
+  if isinstance(stage, bool) or stage not in STAGES:
+    raise ValueError(f"ZeRO stage {stage!r} is not allowed; use one of {list(STAGES)}")
+  if level == "O3" and stage == 0:
+    raise ValueError("ZeRO stage 0 is not allowed at O3 (O3 shards); use stage 1, 2 or 3")
+  return stage
+
+
+def state_bytes_per_param(level: str) -> dict[str, float]:
+  """Persistent bytes per parameter by role: master, grads (accumulator), m, v."""
+  if _check_level(level) in ("O0", "O1"):
+    return {"master": 4, "grads": 4, "m": 4, "v": 4}  # f32 everything
+  return {"master": 2, "grads": 1, "m": 1, "v": 2}  # FP16 master, FP8 grads, E4M3 m, FP16 v
+
+
+def grad_comm_bytes(level: str) -> int:
+  """Bytes per parameter of gradients on the wire: BF16 at O0, E4M3 at O1..O3."""
+  return 2 if _check_level(level) == "O0" else 1
+
+
+def master_bytes(level: str) -> int:
+  """Bytes per parameter of the stored (master) weights: f32 at O0/O1, FP16 at O2/O3."""
+  return 4 if _check_level(level) in ("O0", "O1") else 2
+
+
+def gather_bytes(level: str, kernel_params: int, other_params: int) -> float:
+  """Bytes of one ZeRO-3 weight all-gather (whole model): FP8 GEMM kernels travel as E4M3
+  at O1..O3 (1 byte), everything else as stored (fp8jax.parallel.zero)."""
+  if _check_level(level) == "O0":
+    return 4.0 * (kernel_params + other_params)
+  return 1.0 * kernel_params + master_bytes(level) * other_params
+
+
+def optimizer_bytes_per_param(level: str) -> int:
+  """HBM bytes one update touches per parameter. O0/O1 (optax adamw, f32): read p, g, m, v,
+  write p, m, v = 28. O2/O3: read FP16 master 2, FP8 grad 1, E4M3 m 1, FP16 v 2, write
+  master 2, m 1, v 2 = 11."""
+  return 28 if _check_level(level) in ("O0", "O1") else 11
+
+
+# ----------------------------------------------------------------------------- model
+
+def model_params(cfg: ModelConfig) -> tuple[int, int]:
+  """(GEMM kernel parameters, other parameters) from the config arithmetic (no init)."""
+  d, v = cfg.d_model, cfg.vocab_size
+  kernels = matmul_param_count(cfg) - (d * v if cfg.tie_embeddings else 0)
+  norms = cfg.n_layers * 2 * d + d
+  return kernels, v * d + norms  # the embedding counts as "other" (a lookup, not a GEMM)
+
+
+def fp8_speedup(d_model: int, a: Assumptions) -> float:
+  """Native FP8 step speedup over BF16 at this width (linear between the measured widths)."""
+  lo, hi = a.fp8_speedup_small_d, a.fp8_speedup_large_d
+  t = min(max((d_model - lo) / (hi - lo), 0.0), 1.0)
+  return a.fp8_speedup_small + t * (a.fp8_speedup_large - a.fp8_speedup_small)
+
+
+def level_speedup(level: str, kind: str, d_model: int, a: Assumptions) -> float:
+  """Step speedup over BF16 of `level` on `kind`: 1 at O0; FP8's where native; < 1 emulated."""
+  if _check_level(level) == "O0":
+    return 1.0
+  return fp8_speedup(d_model, a) if fp8_native(kind) else 1.0 / a.emulated_fp8_overhead
+
+
+def microbatch_seconds(cfg: ModelConfig, seq_len: int, microbatch: int, level: str, kind: str,
+                       a: Assumptions) -> float:
+  """Seconds of one microbatch (`microbatch` sequences x `seq_len`) forward+backward."""
+  flops = flops_per_token(cfg, seq_len) * microbatch * seq_len
+  return flops / (gpu_spec(kind).bf16_flops * a.bf16_mfu) / level_speedup(level, kind,
+                                                                           cfg.d_model, a)
+
+
+def activation_bytes(cfg: ModelConfig, seq_len: int, microbatch: int) -> float:
+  """Activation bytes of one microbatch. remat: saved BF16 layer inputs, one layer's working
+  set (~(16 d + 3 d_ff) x 2 B per token, flash attention so no T^2) and f32 logits with their
+  gradient; else ~34 d bytes per token per layer (Korthikanti et al. 2022, no T^2 term)."""
+  tokens = microbatch * seq_len
+  d = cfg.d_model
+  logits = tokens * cfg.vocab_size * 4 * 2
+  if cfg.remat:
+    return cfg.n_layers * tokens * d * 2 + tokens * (16 * d + 3 * cfg.d_ff) * 2 + logits
+  return cfg.n_layers * 34 * tokens * d + logits
+
+
+def persistent_bytes(level: str, stage: int, kernels: int, others: int, gpus: int,
+                     local_grads: bool, a: Assumptions) -> float:
+  """Bytes per GPU of weights, gradient accumulators and optimizer state.
+
+  Stage >= 1 shards m, v over the `gpus`; >= 2 also the gradient accumulators (unless
+  `local_grads`: the balanced step accumulates whole gradients locally); 3 also the master
+  weights, plus a whole gathered copy (gathered once per balanced step; conservative for
+  the uniform step). O2/O3 below stage 3 add a BF16 working copy.
+  """
+  per = state_bytes_per_param(level)
+  params = kernels + others
+  total = params * (per["m"] + per["v"]) / (gpus if stage >= 1 else 1)
+  total += params * per["grads"] / (gpus if stage >= 2 and not local_grads else 1)
+  total += params * per["master"] / (gpus if stage == 3 else 1)
+  if stage == 3:
+    total += gather_bytes(level, kernels, others)
+  elif level in ("O2", "O3"):
+    total += params * a.fp8_working_copy_bytes
+  return total
+
+
+def usable_bytes(kind: str, a: Assumptions) -> float:
+  """HBM bytes left after the workspace reserve."""
+  return gpu_spec(kind).hbm_bytes * (1 - a.workspace_reserve)
+
+
+def max_microbatch(kind: str, cfg: ModelConfig, seq_len: int, level: str, stage: int,
+                   gpus: int, a: Assumptions = Assumptions(), local_grads: bool = False,
+                   limit: int = 2**20) -> int:
+  """Largest power of two of sequences (<= `limit`) whose microbatch fits one GPU of `kind`;
+  0 when not even the persistent state fits."""
+  level = _check_level(level)
+  kernels, others = model_params(cfg)
+  room = usable_bytes(kind, a) - persistent_bytes(level, _check_stage(level, stage), kernels,
+                                                   others, gpus, local_grads, a)
+  best = 0
+  m = 1
+  while m <= limit and activation_bytes(cfg, seq_len, m) <= room:
+    best, m = m, 2 * m
+  return best
+
+
+# ----------------------------------------------------------------------------- communication
+
+def link_bandwidth(cluster: ClusterSpec) -> float:
+  """Bytes/s per GPU of the ring: NVLink (slowest kind) within one node, else inter-node."""
+  if cluster.gpus <= cluster.gpus_per_node:
+    return min(gpu_spec(k).nvlink_bw for k, _ in cluster.groups)
+  return cluster.inter_node_bw
+
+
+def ring_seconds(nbytes: float, gpus: int, bw: float, a: Assumptions) -> float:
+  """One reduce-scatter or all-gather of `nbytes` (whole buffer) over a ring of `gpus`."""
+  if gpus <= 1:
+    return 0.0
+  return (gpus - 1) / gpus * nbytes / (bw * a.comm_efficiency)
+
+
+def comm_bytes(level: str, stage: int, kernels: int, others: int, loops: int,
+               balanced: bool) -> dict[str, float]:
+  """Ring payloads per step (bytes, whole buffers; an all-reduce counts 2x) by collective.
+
+  `loops`: accumulation iterations of the uniform step. Stage 0/1: one gradient all-reduce;
+  stage 1/2 add an all-gather of the updated weights (stored dtype). Stages 2/3 of the
+  uniform step reduce-scatter every microbatch's gradients and stage 3 gathers the weights
+  for forward and backward of every microbatch; the balanced step runs no collective inside
+  its loop, so it reduce-scatters once and gathers once per step.
+  """
+  params = kernels + others
+  grads = params * grad_comm_bytes(level)
+  n = 1 if balanced else loops
+  if stage <= 1:
+    out = {"grad all-reduce": 2 * grads}
+  else:
+    out = {"grad reduce-scatter": n * grads}
+  if stage in (1, 2):
+    out["weight all-gather"] = params * master_bytes(level)
+  if stage == 3:
+    out["weight all-gather"] = (1 if balanced else 2 * loops) * gather_bytes(level, kernels,
+                                                                              others)
+  return out
+
+
+# ----------------------------------------------------------------------------- prediction
+
+class Split(NamedTuple):
+  """One way to run the step (uniform or balanced). Seconds per step; bytes per GPU."""
+
+  feasible: bool
+  reason: str                        # why not feasible ("" when it is)
+  microbatch: int | None             # sequences per microbatch
+  counts: tuple[int, ...] | None     # microbatches per GPU, mesh order
+  microbatch_seconds: dict           # {kind: seconds of one microbatch}
+  memory: dict                       # {kind: peak bytes per GPU}
+  compute_s: float | None
+  comm_s: float | None               # before overlap
+  optimizer_s: float | None
+  step_s: float | None
+  tokens_per_s: float | None
+  mfu: float | None                  # model FLOPs / sum of BF16 peaks
+
+
+class Prediction(NamedTuple):
+  """Uniform vs balanced step of one cluster, level and ZeRO stage."""
+
+  cluster: str
+  kinds: tuple[str, ...]             # the kind of every GPU, mesh order
+  level: str
+  zero_stage: int
+  seq_len: int
+  global_batch: int
+  params: int
+  emulated: tuple[str, ...]          # kinds whose FP8 GEMMs are emulated at this level
+  uniform: Split
+  balanced: Split
+  speedup: float | None              # uniform step / balanced step
+  assumptions: Assumptions
+
+
+def _kind_seconds(cfg, seq_len, m, level, kind, a, profiles) -> float | None:
+  """Seconds of a microbatch of `m` on `kind`: measured (scaled linearly in m from the
+  nearest measured size) when a profile is given, else the FLOP estimate; None: no fit."""
+  prof = (profiles or {}).get(kind)
+  if prof is None:
+    return microbatch_seconds(cfg, seq_len, m, level, kind, a)
+  if m in prof.seconds:
+    return prof.seconds[m] if prof.admits(m) else None
+  fitting = [s for s in prof.seconds if prof.admits(s)]
+  if not fitting or m > max(fitting):
+    return None
+  near = min(fitting, key=lambda s: (abs(math.log(s / m)), -s))
+  return prof.seconds[near] * m / near
+
+
+def _infeasible(reason: str, seconds=None, memory=None, microbatch=None) -> Split:
+  return Split(False, reason, microbatch, None, seconds or {}, memory or {}, None, None, None,
+               None, None, None)
+
+
+def _evaluate(ctx: dict, m: int, balanced: bool) -> Split:
+  """The split for microbatch size `m`, or an infeasible Split saying why."""
+  cfg, a, cluster, kinds = ctx["cfg"], ctx["a"], ctx["cluster"], ctx["kind_list"]
+  memory = {k: persistent_bytes(ctx["level"], ctx["stage"], ctx["kernels"], ctx["others"],
+                                cluster.gpus, balanced, a) +
+            activation_bytes(cfg, ctx["seq_len"], m) for k in ctx["kinds"]}
+  too_big = [k for k in ctx["kinds"] if memory[k] > usable_bytes(k, a)]
+  seconds = {k: _kind_seconds(cfg, ctx["seq_len"], m, ctx["level"], k, a, ctx["profiles"])
+             for k in ctx["kinds"]}
+  unmeasured = [k for k in ctx["kinds"] if seconds[k] is None]
+  if too_big:
+    need = ", ".join(f"{k} {memory[k] / GiB:.0f} > {usable_bytes(k, a) / GiB:.0f} GiB"
+                     for k in too_big)
+    return _infeasible(f"microbatch {m} does not fit: {need}", seconds, memory, m)
+  if unmeasured:
+    return _infeasible(f"profiles of {unmeasured} do not admit microbatch {m}", seconds,
+                       memory, m)
+  per_gpu = [seconds[k] for k in kinds]
+  total = ctx["batch"] // m
+  if balanced:
+    counts = balance_counts(per_gpu, total)
+  else:
+    counts = uniform_counts(len(kinds), total) or balance_counts([1.0] * len(kinds), total)
+  compute = makespan(counts, per_gpu)
+  payload = comm_bytes(ctx["level"], ctx["stage"], ctx["kernels"], ctx["others"], max(counts),
+                       balanced)
+  comm = sum(ring_seconds(b, cluster.gpus, ctx["bw"], a) for b in payload.values())
+  step = compute + (1 - a.overlap) * comm + ctx["optimizer_s"]
+  tokens = ctx["batch"] * ctx["seq_len"] / step
+  mfu = ctx["flops_per_token"] * tokens / sum(gpu_spec(k).bf16_flops for k in kinds)
+  return Split(True, "", m, tuple(counts), seconds, memory, compute, comm, ctx["optimizer_s"],
+               step, tokens, mfu)
+
+
+def optimizer_seconds(level: str, stage: int, params: int, cluster: ClusterSpec,
+                      a: Assumptions) -> float:
+  """Update seconds on the slowest-HBM kind; stage >= 1 updates 1/gpus of the params."""
+  eff = a.hbm_efficiency if level in ("O0", "O1") else a.fp8_optimizer_hbm_efficiency
+  bw = min(gpu_spec(k).hbm_bw for k, _ in cluster.groups)
+  shard = cluster.gpus if stage >= 1 else 1
+  return optimizer_bytes_per_param(level) * params / shard / (bw * eff)
+
+
+def _candidates(batch: int, microbatch: int | None) -> list[int]:
+  """Microbatch sizes to try, largest first: `microbatch`, or powers of two dividing batch."""
+  if microbatch is not None:
+    if isinstance(microbatch, bool) or not isinstance(microbatch, int) or microbatch < 1 or \
+        batch % microbatch:
+      raise ValueError(f"microbatch={microbatch!r} is not allowed; use an integer >= 1 that "
+                       f"divides the global batch of {batch} sequences")
+    return [microbatch]
+  return [2**i for i in range(int(math.log2(batch)), -1, -1) if batch % 2**i == 0]
+
+
+def _best(ctx: dict, sizes: Sequence[int], balanced: bool) -> Split:
+  """The largest feasible microbatch whose step is within the tolerance of the fastest."""
+  splits = [_evaluate(ctx, m, balanced) for m in sizes]
+  ok = [s for s in splits if s.feasible]
+  if not ok:
+    return splits[-1]  # the smallest size: its reason says what does not fit
+  fastest = min(s.step_s for s in ok)
+  near = [s for s in ok if s.step_s <= fastest * (1 + ctx["a"].microbatch_tolerance)]
+  return max(near, key=lambda s: s.microbatch)
+
+
+def predict(cluster: ClusterSpec, model_config: ModelConfig, seq_len: int, global_batch: int,
+            level: str, zero_stage: int, assumptions: Assumptions = Assumptions(),
+            profiles: Mapping[str, KindProfile] | None = None,
+            microbatch: int | None = None) -> Prediction:
+  """Predicted uniform and balanced step of `cluster` training `model_config`.
+
+  Args:
+    seq_len: tokens per sequence. global_batch: sequences per optimizer step.
+    level: "O0".."O3". zero_stage: 0..3 (sharded over all GPUs).
+    profiles: {kind: KindProfile} of measured seconds per microbatch; they replace the FLOP
+      estimate for that kind (keys: GPU_SPECS names or device kinds).
+    microbatch: sequences per microbatch, common to all kinds; default: among the powers of
+      two that divide the batch and fit every kind, the largest whose step is within
+      `assumptions.microbatch_tolerance` of the fastest (chosen for each split).
+  A kind that cannot hold the state gives infeasible splits (with the reason), not an error.
+  """
+  level = _check_level(level)
+  stage = _check_stage(level, zero_stage)
+  a = assumptions.check()
+  for name, value in (("seq_len", seq_len), ("global_batch", global_batch)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name}={value!r} is not allowed; use an integer >= 1")
+  kernels, others = model_params(model_config)
+  profiles = {gpu_spec(k).name: p for k, p in (profiles or {}).items()}
+  ctx = dict(cfg=model_config, a=a, cluster=cluster, kind_list=cluster.kinds(),
+             kinds=[k for k, _ in cluster.groups], level=level, stage=stage, kernels=kernels,
+             others=others, seq_len=seq_len, batch=global_batch, profiles=profiles,
+             bw=link_bandwidth(cluster), flops_per_token=flops_per_token(model_config, seq_len),
+             optimizer_s=optimizer_seconds(level, stage, kernels + others, cluster, a))
+  sizes = _candidates(global_batch, microbatch)
+  uniform, balanced = _best(ctx, sizes, False), _best(ctx, sizes, True)
+  speedup = uniform.step_s / balanced.step_s if uniform.feasible and balanced.feasible else None
+  emulated = tuple(k for k in ctx["kinds"] if level != "O0" and not fp8_native(k))
+  return Prediction(cluster.describe(), ctx["kind_list"], level, stage, seq_len, global_batch,
+                    kernels + others, emulated, uniform, balanced, speedup, a)
+
+
+def model_config_of(config) -> ModelConfig:
+  """ModelConfig of an fp8jax.config.Config (its model section)."""
+  return ModelConfig(**dataclasses.asdict(config.model))
+
+
+# ----------------------------------------------------------------------------- profiles
+
+def _profile_error(path, message: str) -> ValueError:
+  return ValueError(f"profile {os.fspath(path)}: {message}")
+
+
+def _check_point(path, i: int, point) -> tuple[int, float, bool]:
+  """(microbatch, seconds, fits) of one profile point, validated."""
+  if not isinstance(point, dict):
+    raise _profile_error(path, f"points[{i}] is {point!r}; use an object")
+  m, s, fits = point.get("microbatch"), point.get("seconds"), point.get("fits", True)
+  if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+    raise _profile_error(path, f"points[{i}].microbatch={m!r}; use an integer >= 1")
+  if isinstance(s, bool) or not isinstance(s, (int, float)) or not (0 < s < math.inf):
+    raise _profile_error(path, f"points[{i}].seconds={s!r}; use seconds > 0")
+  if not isinstance(fits, bool):
+    raise _profile_error(path, f"points[{i}].fits={fits!r}; use true or false")
+  return m, float(s), fits
+
+
+def read_profile(path: str | os.PathLike) -> dict:
+  """The JSON written by `fp8jax profile`, with its format, kind, level and points checked."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = json.load(f)
+  except json.JSONDecodeError as e:
+    raise _profile_error(path, f"not JSON ({e})") from None
+  if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+    got = data.get("format") if isinstance(data, dict) else data
+    raise _profile_error(path, f"format is {got!r}; expected {PROFILE_FORMAT!r}")
+  if not isinstance(data.get("device_kind"), str):
+    raise _profile_error(path, f"device_kind={data.get('device_kind')!r}; use a string")
+  gpu_spec(data["device_kind"])
+  if str(data.get("level", "")).upper() not in LEVELS:
+    raise _profile_error(path, f"level={data.get('level')!r}; use one of {list(LEVELS)}")
+  if not isinstance(data.get("points"), list) or not data["points"]:
+    raise _profile_error(path, "points is missing or empty; use a list of measured points")
+  for i, point in enumerate(data["points"]):
+    _check_point(path, i, point)
+  return data
+
+
+def load_profile(path: str | os.PathLike) -> KindProfile:
+  """KindProfile (kind: the GPU_SPECS name) of a profile JSON; seconds per microbatch."""
+  data = read_profile(path)
+  points = [_check_point(path, i, p) for i, p in enumerate(data["points"])]
+  return KindProfile(gpu_spec(data["device_kind"]).name, {m: s for m, s, _ in points},
+                     {m: fits for m, _, fits in points})
+
+
+# ----------------------------------------------------------------------------- table
+
+def _per_kind(values: Mapping, fmt) -> str:
+  return " ".join(f"{k}:{fmt(v)}" for k, v in values.items())
+
+
+def _counts_by_kind(p: Prediction, split: Split) -> dict:
+  out: dict = {}
+  for k, c in zip(p.kinds, split.counts):
+    lo, hi = out.get(k, (c, c))
+    out[k] = (min(lo, c), max(hi, c))
+  return {k: str(lo) if lo == hi else f"{lo}-{hi}" for k, (lo, hi) in out.items()}
+
+
+def _row(p: Prediction, name: str, split: Split) -> str:
+  """One markdown row of the table."""
+  head = f"| {p.level} | {p.zero_stage} | {name} "
+  if not split.feasible:
+    return head + f"| - | - | - | - | - | - | - | - | infeasible: {split.reason} |"
+  gib = _per_kind(split.memory, lambda b: f"{b / GiB:.0f}")
+  counts = _per_kind(_counts_by_kind(p, split), str)
+  speed = f"{p.speedup:.2f}x" if name == "balanced" and p.speedup else ""
+  return (head + f"| {split.microbatch} | {counts} | {split.compute_s:.2f} | {split.comm_s:.2f} "
+          f"| {split.optimizer_s:.3f} | {split.step_s:.2f} | {split.tokens_per_s:,.0f} | "
+          f"{split.mfu:.3f} | {gib} | {speed} |")
+
+
+def format_table(predictions: Sequence[Prediction]) -> str:
+  """Markdown table of one cluster's predictions (uniform and balanced rows), with the
+  assumptions of the first listed above."""
+  if not predictions:
+    raise ValueError("format_table needs at least one Prediction")
+  first = predictions[0]
+  emulated = sorted({k for p in predictions for k in p.emulated})
+  lines = [f"cluster {first.cluster}: {first.params / 1e9:.2f}B params, batch "
+           f"{first.global_batch} x {first.seq_len} tokens; predictions, not measurements"]
+  lines += [f"- {line}" for line in first.assumptions.describe()]
+  if emulated:
+    lines.append(f"- FP8 emulated on {', '.join(emulated)} (no FP8 tensor cores)")
+  lines += ["", "| level | ZeRO | split | mb | microbatches/GPU | compute s | comm s | optim s "
+            "| step s | tokens/s | MFU (BF16 peak) | GiB/GPU | speedup |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for p in predictions:
+    lines += [_row(p, "uniform", p.uniform), _row(p, "balanced", p.balanced)]
+  return "\n".join(lines)

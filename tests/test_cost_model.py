@@ -1,0 +1,235 @@
+import json
+import os
+
+import pytest
+
+from fp8jax import cli
+from fp8jax.models.gpt import ModelConfig
+from fp8jax.parallel import cost_model as cm
+from fp8jax.parallel.balance import KindProfile
+from fp8jax.train.metrics import peak_flops
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG_7B = os.path.join(ROOT, "configs", "gpt_7b.yaml")
+# 7B shape of configs/gpt_7b.yaml without reading YAML
+BIG = ModelConfig(vocab_size=256, d_model=4096, n_layers=32, n_heads=32, d_ff=11008,
+                  max_seq_len=2048, mlp="swiglu", remat=True)
+SMALL = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, d_ff=256,
+                    max_seq_len=8, mlp="gelu", remat=False)
+MIXED = "8xA100-80GB+8xH100-SXM"
+
+
+def test_parse_cluster_groups_order_and_defaults():
+  c = cm.parse_cluster(MIXED)
+  assert c.groups == (("A100-80GB", 8), ("H100-SXM", 8))
+  assert c.gpus == 16 and c.gpus_per_node == 8 and c.inter_node_bw == 50e9
+  assert c.kinds()[:8] == ("A100-80GB",) * 8 and c.kinds()[8:] == ("H100-SXM",) * 8
+  assert c.describe() == MIXED
+  assert cm.parse_cluster(" 2 x h200 + 1XNVIDIA H100 80GB HBM3").groups == (
+      ("H200", 2), ("H100-SXM", 1))
+
+
+@pytest.mark.parametrize("text, match", [
+    ("", "empty"),
+    ("A100-80GB", "not COUNTxKIND"),
+    ("8xH100-SXM+", "not COUNTxKIND"),
+    ("0xH100-SXM", "count 0"),
+    ("8xFOO", r"unknown GPU kind 'FOO'.*'A100-40GB'.*'H200'"),
+    ("8xA100", "A100-40GB or A100-80GB"),
+])
+def test_parse_cluster_rejects_bad_strings(text, match):
+  with pytest.raises(ValueError, match=match):
+    cm.parse_cluster(text)
+
+
+def test_gpu_spec_reads_jax_device_kinds_and_matches_metrics_peaks():
+  assert cm.gpu_spec("NVIDIA H100 80GB HBM3").name == "H100-SXM"
+  assert cm.gpu_spec("NVIDIA H100 PCIe").name == "H100-PCIe"
+  assert cm.gpu_spec("NVIDIA A100-SXM4-80GB").name == "A100-80GB"
+  assert cm.gpu_spec("NVIDIA A100-SXM4-40GB").name == "A100-40GB"
+  assert cm.gpu_spec("NVIDIA H200").name == "H200"
+  for name in ("A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200", "H800", "L40S",
+               "B200"):
+    spec = cm.GPU_SPECS[name]
+    assert spec.bf16_flops == peak_flops(name, False)
+    assert (spec.fp8_flops is None) == name.startswith("A100")
+  assert cm.GPU_SPECS["H100-PCIe"].fp8_flops == 1513e12
+  with pytest.raises(ValueError, match="known kinds"):
+    cm.gpu_spec("NVIDIA GH200 480GB")
+
+
+def test_memory_model_by_hand():
+  kernels, others = cm.model_params(SMALL)
+  assert kernels == 2 * (4 * 64 * 64 + 2 * 64 * 256) + 64 * 256  # layers + LM head
+  assert others == 256 * 64 + 2 * 2 * 64 + 64                   # embedding + norms
+  p = kernels + others
+  a = cm.Assumptions()
+  # O0, no ZeRO: f32 master, grads, m, v = 16 bytes/param
+  assert cm.persistent_bytes("O0", 0, kernels, others, 4, False, a) == 16 * p
+  # O2: 2 + 1 + 1 + 2 = 6 bytes/param + the BF16 working copy 2
+  assert cm.persistent_bytes("O2", 0, kernels, others, 4, False, a) == 8 * p
+  # ZeRO-1 over 4: m, v /4
+  assert cm.persistent_bytes("O0", 1, kernels, others, 4, False, a) == (4 + 4 + 8 / 4) * p
+  # ZeRO-3 at O2 over 4: (2 + 1 + 1 + 2) / 4 + gathered FP8 kernels 1 B, others FP16 2 B
+  assert cm.persistent_bytes("O2", 3, kernels, others, 4, False, a) == pytest.approx(
+      6 / 4 * p + kernels + 2 * others)
+  # the balanced step keeps whole local gradient accumulators
+  assert cm.persistent_bytes("O2", 3, kernels, others, 4, True, a) == pytest.approx(
+      5 / 4 * p + 1 * p + kernels + 2 * others)
+  # no remat: 34 d bytes per token per layer + f32 logits and their gradient
+  assert cm.activation_bytes(SMALL, 8, 2) == 2 * 34 * 16 * 64 + 16 * 256 * 8
+  remat = SMALL.replace(remat=True)
+  assert cm.activation_bytes(remat, 8, 2) == 2 * 16 * 64 * 2 + 16 * (16 * 64 + 3 * 256) * 2 + \
+      16 * 256 * 8
+
+
+def test_o2_needs_less_memory_and_allows_larger_microbatch():
+  kernels, others = cm.model_params(BIG)
+  a = cm.Assumptions()
+  o0 = cm.persistent_bytes("O0", 1, kernels, others, 16, False, a)
+  o2 = cm.persistent_bytes("O2", 1, kernels, others, 16, False, a)
+  assert o2 < 0.7 * o0
+  m0 = cm.max_microbatch("A100-80GB", BIG, 2048, "O0", 1, 16)
+  m2 = cm.max_microbatch("A100-80GB", BIG, 2048, "O2", 1, 16)
+  assert m0 >= 1 and m2 > m0
+  # one H100 cannot hold 7B at O0 without sharding (16 B/param = 104 GB): infeasible, no crash
+  assert cm.max_microbatch("H100-SXM", BIG, 2048, "O0", 0, 1) == 0
+  pred = cm.predict(cm.parse_cluster("1xH100-SXM"), BIG, 2048, 8, "O0", 0)
+  assert not pred.uniform.feasible and not pred.balanced.feasible and pred.speedup is None
+  assert "does not fit" in pred.balanced.reason and "H100-SXM" in pred.balanced.reason
+
+
+def test_zero3_needs_less_memory_than_zero1():
+  kernels, others = cm.model_params(BIG)
+  a = cm.Assumptions()
+  for level in ("O0", "O2", "O3"):
+    z1 = cm.persistent_bytes(level, 1, kernels, others, 16, False, a)
+    z3 = cm.persistent_bytes(level, 3, kernels, others, 16, False, a)
+    assert z3 < z1, level
+  c = cm.parse_cluster(MIXED)
+  p1, p3 = (cm.predict(c, BIG, 2048, 256, "O2", z, microbatch=4) for z in (1, 3))
+  assert p3.uniform.memory["A100-80GB"] < p1.uniform.memory["A100-80GB"]
+
+
+def test_comm_bytes_o0_over_o2_is_two_for_gradients_and_stage3_gathers():
+  kernels, others = cm.model_params(BIG)
+  for stage, key in ((0, "grad all-reduce"), (1, "grad all-reduce"),
+                     (2, "grad reduce-scatter")):
+    o0 = cm.comm_bytes("O0", stage, kernels, others, 1, False)[key]
+    o2 = cm.comm_bytes("O2", stage, kernels, others, 1, False)[key]
+    assert o0 / o2 == 2
+  assert cm.comm_bytes("O0", 0, kernels, others, 1, False) == {
+      "grad all-reduce": 2 * 2 * (kernels + others)}
+  # uniform ZeRO-3 gathers forward and backward per microbatch; balanced once per step
+  uni = cm.comm_bytes("O3", 3, kernels, others, 4, False)
+  bal = cm.comm_bytes("O3", 3, kernels, others, 4, True)
+  assert uni["weight all-gather"] == 8 * bal["weight all-gather"]
+  assert bal["weight all-gather"] == kernels + 2 * others  # FP8 kernels, FP16 rest
+  assert uni["grad reduce-scatter"] == 4 * bal["grad reduce-scatter"]
+
+
+def test_homogeneous_cluster_balanced_equals_uniform():
+  for level, stage in (("O2", 0), ("O0", 1), ("O2", 1), ("O3", 1), ("O2", 2), ("O3", 3)):
+    p = cm.predict(cm.parse_cluster("8xH100-SXM"), BIG, 2048, 64, level, stage, microbatch=2)
+    assert p.uniform.counts == p.balanced.counts == (4,) * 8
+    assert p.uniform.compute_s == p.balanced.compute_s
+    if stage <= 1:
+      assert p.speedup == pytest.approx(1.0)
+    else:  # only the collectives differ: the balanced loop has none inside
+      assert p.balanced.comm_s < p.uniform.comm_s and p.speedup > 1.0
+
+
+def test_mixed_cluster_balanced_is_faster_and_a100_runs_fp8_emulated():
+  p = cm.predict(cm.parse_cluster(MIXED), BIG, 2048, 256, "O2", 1)
+  assert p.uniform.feasible and p.balanced.feasible
+  assert p.speedup > 1.5
+  assert p.balanced.step_s < p.uniform.step_s
+  counts = p.balanced.counts
+  assert max(counts[:8]) < min(counts[8:])  # H100s get more microbatches
+  assert sum(counts) * p.balanced.microbatch == 256
+  assert p.emulated == ("A100-80GB",)
+  o0 = cm.predict(cm.parse_cluster(MIXED), BIG, 2048, 256, "O0", 1, microbatch=4)
+  o2 = cm.predict(cm.parse_cluster(MIXED), BIG, 2048, 256, "O2", 1, microbatch=4)
+  ratio = lambda k: o2.uniform.microbatch_seconds[k] / o0.uniform.microbatch_seconds[k]
+  assert ratio("A100-80GB") == pytest.approx(1.10)   # emulated: slower than BF16
+  assert ratio("H100-SXM") == pytest.approx(1 / 1.36)  # native FP8 at d_model 4096
+  assert o0.emulated == ()
+
+
+def test_uneven_batch_gets_nearly_even_uniform_split():
+  p = cm.predict(cm.parse_cluster("2xH100-SXM+1xA100-80GB"), BIG, 2048, 5, "O2", 1,
+                 microbatch=1)
+  assert sorted(p.uniform.counts) == [1, 2, 2]
+  assert sum(p.balanced.counts) == 5
+
+
+def _write_profile(path, kind="NVIDIA H100 80GB HBM3", points=None, **changes):
+  data = {"format": "fp8jax-profile/1", "device_kind": kind, "compute_capability": "9.0",
+          "platform": "gpu", "memory_bytes": 85e9, "level": "O2", "seq_len": 2048,
+          "points": points if points is not None else [
+              {"microbatch": 1, "seconds": 0.5, "tokens_per_s": 4096.0, "peak_bytes": None,
+               "fits": True},
+              {"microbatch": 2, "seconds": 0.9, "tokens_per_s": 4551.0, "peak_bytes": None,
+               "fits": True},
+              {"microbatch": 4, "seconds": 1.0, "tokens_per_s": 0.0, "peak_bytes": None,
+               "fits": False}]}
+  data.update(changes)
+  path.write_text(json.dumps(data))
+  return str(path)
+
+
+def test_profile_replaces_the_flop_estimate(tmp_path):
+  prof = cm.load_profile(_write_profile(tmp_path / "h100.json"))
+  assert prof == KindProfile("H100-SXM", {1: 0.5, 2: 0.9, 4: 1.0}, {1: True, 2: True, 4: False})
+  c = cm.parse_cluster(MIXED)
+  p = cm.predict(c, BIG, 2048, 64, "O2", 1, profiles={"H100-SXM": prof}, microbatch=2)
+  assert p.balanced.microbatch_seconds["H100-SXM"] == 0.9
+  plain = cm.predict(c, BIG, 2048, 64, "O2", 1, microbatch=2)
+  assert plain.balanced.microbatch_seconds["H100-SXM"] != 0.9
+  assert p.balanced.microbatch_seconds["A100-80GB"] == \
+      plain.balanced.microbatch_seconds["A100-80GB"]
+  # a size the profile measured as not fitting is infeasible
+  bad = cm.predict(c, BIG, 2048, 64, "O2", 1, profiles={"H100-SXM": prof}, microbatch=4)
+  assert not bad.uniform.feasible and "do not admit" in bad.uniform.reason
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"format": "other/2"}, "expected 'fp8jax-profile/1'"),
+    ({"device_kind": "NVIDIA T4"}, "unknown GPU kind"),
+    ({"points": []}, "points is missing or empty"),
+    ({"points": [{"microbatch": 0, "seconds": 1.0, "fits": True}]}, "microbatch=0"),
+    ({"points": [{"microbatch": 1, "seconds": -1.0, "fits": True}]}, "seconds=-1.0"),
+    ({"level": "O7"}, "level='O7'"),
+])
+def test_load_profile_rejects_bad_files(tmp_path, changes, match):
+  path = _write_profile(tmp_path / "p.json", **changes)
+  with pytest.raises(ValueError, match=match):
+    cm.load_profile(path)
+
+
+def test_bad_arguments_name_the_value():
+  c = cm.parse_cluster("8xH100-SXM")
+  with pytest.raises(ValueError, match="level 'O5'"):
+    cm.predict(c, BIG, 2048, 64, "O5", 1)
+  with pytest.raises(ValueError, match="ZeRO stage 4"):
+    cm.predict(c, BIG, 2048, 64, "O2", 4)
+  with pytest.raises(ValueError, match="stage 0 is not allowed at O3"):
+    cm.predict(c, BIG, 2048, 64, "O3", 0)
+  with pytest.raises(ValueError, match="microbatch=3"):
+    cm.predict(c, BIG, 2048, 64, "O2", 1, microbatch=3)
+  with pytest.raises(ValueError, match="overlap=1.5"):
+    cm.predict(c, BIG, 2048, 64, "O2", 1, assumptions=cm.Assumptions(overlap=1.5))
+
+
+def test_cli_simulate_prints_the_table(capsys, tmp_path):
+  path = _write_profile(tmp_path / "h100.json")
+  assert cli.main(["simulate", "--cluster", MIXED, "--config", CONFIG_7B, "--batch", "64",
+                   "--levels", "O0,O2", "--zero", "1,3",
+                   "--profile", f"H100-SXM={path}"]) == 0
+  out = capsys.readouterr().out
+  rows = [line for line in out.splitlines() if line.startswith("| O")]
+  assert len(rows) == 8  # 2 levels x 2 stages x (uniform, balanced)
+  assert "predictions, not measurements" in out and "BF16 MFU 0.495" in out
+  assert "FP8 emulated on A100-80GB" in out and "used for that level" in out
+  assert all("infeasible" not in r for r in rows)
+  assert any("| O2 | 1 | balanced |" in r and r.rstrip(" |").endswith("x") for r in rows)
