@@ -180,7 +180,7 @@ def _write_profile(path, kind="NVIDIA H100 80GB HBM3", points=None, **changes):
 
 def test_profile_replaces_the_flop_estimate(tmp_path):
   prof = cm.load_profile(_write_profile(tmp_path / "h100.json"))
-  assert prof == KindProfile("H100-SXM", {1: 0.5, 2: 0.9, 4: 1.0}, {1: True, 2: True, 4: False})
+  assert prof == KindProfile("H100-SXM", {1: 0.5, 2: 0.9}, {1: True, 2: True, 4: False})
   c = cm.parse_cluster(MIXED)
   p = cm.predict(c, BIG, 2048, 64, "O2", 1, profiles={"H100-SXM": prof}, microbatch=2)
   assert p.balanced.microbatch_seconds["H100-SXM"] == 0.9
@@ -194,9 +194,9 @@ def test_profile_replaces_the_flop_estimate(tmp_path):
 
 
 @pytest.mark.parametrize("changes, match", [
-    ({"format": "other/2"}, "expected 'fp8jax-profile/1'"),
+    ({"format": "other/2"}, "format must be 'fp8jax-profile/1'"),
     ({"device_kind": "NVIDIA T4"}, "unknown GPU kind"),
-    ({"points": []}, "points is missing or empty"),
+    ({"points": []}, "points must be a non-empty list"),
     ({"points": [{"microbatch": 0, "seconds": 1.0, "fits": True}]}, "microbatch=0"),
     ({"points": [{"microbatch": 1, "seconds": -1.0, "fits": True}]}, "seconds=-1.0"),
     ({"level": "O7"}, "level='O7'"),

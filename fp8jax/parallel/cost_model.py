@@ -14,13 +14,13 @@ Pure Python: no devices are needed. Every constant is a field of :class:`Assumpt
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
 from typing import Mapping, NamedTuple, Sequence
 
 from fp8jax.models.gpt import ModelConfig, flops_per_token, matmul_param_count
+from fp8jax.parallel import profile as profile_lib
 from fp8jax.parallel.balance import KindProfile, balance_counts, makespan, uniform_counts
 from fp8jax.train.metrics import peak_flops
 
@@ -28,7 +28,7 @@ GiB = 2**30
 MiB = 2**20
 LEVELS = ("O0", "O1", "O2", "O3")
 STAGES = (0, 1, 2, 3)
-PROFILE_FORMAT = "fp8jax-profile/1"
+PROFILE_FORMAT = profile_lib.FORMAT
 
 
 # ----------------------------------------------------------------------------- GPU kinds
@@ -563,52 +563,19 @@ def model_config_of(config) -> ModelConfig:
 
 # ----------------------------------------------------------------------------- profiles
 
-def _profile_error(path, message: str) -> ValueError:
-  return ValueError(f"profile {os.fspath(path)}: {message}")
-
-
-def _check_point(path, i: int, point) -> tuple[int, float, bool]:
-  """(microbatch, seconds, fits) of one profile point, validated."""
-  if not isinstance(point, dict):
-    raise _profile_error(path, f"points[{i}] is {point!r}; use an object")
-  m, s, fits = point.get("microbatch"), point.get("seconds"), point.get("fits", True)
-  if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-    raise _profile_error(path, f"points[{i}].microbatch={m!r}; use an integer >= 1")
-  if isinstance(s, bool) or not isinstance(s, (int, float)) or not (0 < s < math.inf):
-    raise _profile_error(path, f"points[{i}].seconds={s!r}; use seconds > 0")
-  if not isinstance(fits, bool):
-    raise _profile_error(path, f"points[{i}].fits={fits!r}; use true or false")
-  return m, float(s), fits
-
-
 def read_profile(path: str | os.PathLike) -> dict:
-  """The JSON written by `fp8jax profile`, with its format, kind, level and points checked."""
-  try:
-    with open(path, encoding="utf-8") as f:
-      data = json.load(f)
-  except json.JSONDecodeError as e:
-    raise _profile_error(path, f"not JSON ({e})") from None
-  if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
-    got = data.get("format") if isinstance(data, dict) else data
-    raise _profile_error(path, f"format is {got!r}; expected {PROFILE_FORMAT!r}")
-  if not isinstance(data.get("device_kind"), str):
-    raise _profile_error(path, f"device_kind={data.get('device_kind')!r}; use a string")
+  """The JSON written by `fp8jax profile` (checked by :func:`fp8jax.parallel.profile.read`),
+  whose device kind must be one of :data:`GPU_SPECS`."""
+  data = profile_lib.read(os.fspath(path))
   gpu_spec(data["device_kind"])
-  if str(data.get("level", "")).upper() not in LEVELS:
-    raise _profile_error(path, f"level={data.get('level')!r}; use one of {list(LEVELS)}")
-  if not isinstance(data.get("points"), list) or not data["points"]:
-    raise _profile_error(path, "points is missing or empty; use a list of measured points")
-  for i, point in enumerate(data["points"]):
-    _check_point(path, i, point)
   return data
 
 
 def load_profile(path: str | os.PathLike) -> KindProfile:
   """KindProfile (kind: the GPU_SPECS name) of a profile JSON; seconds per microbatch."""
   data = read_profile(path)
-  points = [_check_point(path, i, p) for i, p in enumerate(data["points"])]
-  return KindProfile(gpu_spec(data["device_kind"]).name, {m: s for m, s, _ in points},
-                     {m: fits for m, _, fits in points})
+  prof = profile_lib.to_kind_profile(data)
+  return KindProfile(gpu_spec(data["device_kind"]).name, dict(prof.seconds), dict(prof.fits))
 
 
 # ----------------------------------------------------------------------------- table

@@ -38,15 +38,22 @@ def validate(data: dict, path: str = "<dict>") -> dict:
           f"{data.get('format') if isinstance(data, dict) else type(data).__name__!r}")
   if not isinstance(data.get("device_kind"), str) or not data["device_kind"]:
     _fail(path, "device_kind must be a non-empty string")
+  if str(data.get("level", "")).upper() not in ("O0", "O1", "O2", "O3"):
+    _fail(path, f"level={data.get('level')!r}; use one of O0, O1, O2, O3")
   points = data.get("points")
   if not isinstance(points, list) or not points:
     _fail(path, "points must be a non-empty list")
   for p in points:
-    m, s = p.get("microbatch"), p.get("seconds")
+    if not isinstance(p, dict):
+      _fail(path, f"point {p!r} must be an object")
+    m, s, fits = p.get("microbatch"), p.get("seconds"), p.get("fits", True)
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-      _fail(path, f"point {p}: microbatch must be an integer >= 1")
-    if p.get("fits", True) and (not isinstance(s, (int, float)) or not s > 0):
-      _fail(path, f"point {p}: seconds must be > 0 for a size that fits")
+      _fail(path, f"point {p}: microbatch={m!r} must be an integer >= 1")
+    if not isinstance(fits, bool):
+      _fail(path, f"point {p}: fits={fits!r} must be true or false")
+    if fits and (isinstance(s, bool) or not isinstance(s, (int, float)) or
+                 not 0 < s < float("inf")):
+      _fail(path, f"point {p}: seconds={s!r} must be > 0 for a size that fits")
   return data
 
 
