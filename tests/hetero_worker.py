@@ -68,7 +68,7 @@ def main(out_dir: str, counts: str, repeats: str, timing_steps: int = 0) -> None
     big_model, big_state, big_batch = th.setup_timing()
     big = jax.jit(balanced.make_balanced_train_step(big_model.apply, tx, mesh))
     results = {}
-    for split in ("1,0", "2,0", "0,1", "0,2", "2,2", "1,3"):
+    for split in ("1,0", "3,0", "0,1", "0,3", "2,2", "1,3"):
       c = [int(x) for x in split.split(",")]
       rows = big_batch[:sum(c) * th.TIMING_MICROBATCH]
       results[split] = _timed(big, big_state,

@@ -142,10 +142,17 @@ def parse_cluster(text: str, gpus_per_node: int = 8, inter_node_bw: float = 50e9
 class Assumptions(NamedTuple):
   """Modelling constants; each names the fp8jax measurement or the guess behind it."""
 
-  # BF16 MFU of a step (model FLOPs, remat not counted): fp8jax 1.3B (configs/gpt_1_3b.yaml,
-  # B8 x T2048, remat, cuDNN attention) O0 on one H200, 282.8 ms/step: 8.459e9 FLOP/token x
-  # 16384 tokens / 0.2828 s / 989e12 = 0.495. Taken to hold for every kind and size.
-  bf16_mfu: float = 0.495
+  # BF16 MFU of the FLOP-proportional part of a microbatch (model FLOPs, remat not counted):
+  # fp8jax 1.3B (configs/gpt_1_3b.yaml, B8 x T2048, remat, cuDNN attention) O0 on one H200,
+  # 282.8 ms/step, minus the per-microbatch overhead below (26.7 ms): 8.459e9 FLOP/token x
+  # 16384 tokens / 0.2561 s / 989e12 = 0.547. Taken to hold for every kind and size.
+  bf16_mfu: float = 0.547
+  # Per-microbatch cost that does not scale with its tokens (weight casts, launches, small-M
+  # GEMM inefficiency), seconds per GEMM parameter at 4.8 TB/s, scaled by 4.8 TB/s / the kind's
+  # HBM bandwidth: the H200 1.3B O2 profile (benchmarks/RESULTS.md) fits 38.0 ms + 26.0 ms per
+  # sequence for 4..16 sequences; 38.0 ms minus the 11.3 ms optimizer update = 26.7 ms over
+  # 1.208e9 GEMM parameters = 2.21e-11 s.
+  microbatch_overhead_s_per_param: float = 2.21e-11
   # Step speedup of native FP8 (O1..O3) over BF16, measured on H200: 1.16x at d_model 2048
   # (1.3B, O1 step) and 1.36x at d_model 4096 (7B layer shape, SwiGLU d_ff 11008); linear in
   # d_model between, constant outside.
@@ -153,9 +160,11 @@ class Assumptions(NamedTuple):
   fp8_speedup_small_d: int = 2048
   fp8_speedup_large: float = 1.36
   fp8_speedup_large_d: int = 4096
-  # Kinds without FP8 tensor cores (A100) run FP8 GEMMs as casts + BF16 GEMMs: step time
-  # x this factor vs BF16. Placeholder guess, to be replaced by an A100 measurement.
-  emulated_fp8_overhead: float = 1.10
+  # Kinds without FP8 tensor cores (A100) run FP8 GEMMs as exact BF16 upcasts + BF16 GEMMs:
+  # step time x this factor vs BF16 (O0). Measured on H200 with the emulated path forced
+  # (benchmarks/hetero_gpu.py emulation, 1.3B, B8): 253.9 / 286.0 ms = 0.888 (FP8 activations
+  # halve the saved-activation traffic). Not measured on an A100.
+  emulated_fp8_overhead: float = 0.888
   # Optimizer update as HBM traffic: optax adamw, 2^30 f32 params, 8.0 ms on H200 (4.8 TB/s)
   # moves 28 bytes/param -> 28 x 2^30 / 8.0 ms / 4.8e12 = 0.78 of peak bandwidth.
   hbm_efficiency: float = 0.78
@@ -180,7 +189,7 @@ class Assumptions(NamedTuple):
   def check(self) -> "Assumptions":
     """Self, after checking every value's range (ValueError naming the bad one)."""
     positive = ("bf16_mfu", "fp8_speedup_small", "fp8_speedup_large", "emulated_fp8_overhead",
-                "hbm_efficiency", "fp8_optimizer_hbm_efficiency", "comm_efficiency")
+                "microbatch_overhead_s_per_param", "hbm_efficiency", "fp8_optimizer_hbm_efficiency", "comm_efficiency")
     for name in positive:
       value = getattr(self, name)
       if not (isinstance(value, (int, float)) and 0 < value < math.inf):
@@ -208,12 +217,14 @@ class Assumptions(NamedTuple):
     """One line per assumption, for printing above a table."""
     a = self
     return [
-        f"BF16 MFU {a.bf16_mfu:.3f} (fp8jax 1.3B O0 on H200: 282.8 ms/step)",
+        f"BF16 MFU {a.bf16_mfu:.3f} of the token-proportional work plus "
+        f"{a.microbatch_overhead_s_per_param * 1e12:.1f} ps per GEMM parameter per microbatch "
+        "at 4.8 TB/s (fp8jax 1.3B on H200: O0 step 282.8 ms, O2 profile 38 ms + 26 ms/seq)",
         f"native FP8 step speedup {a.fp8_speedup_small:.2f}x at d_model<={a.fp8_speedup_small_d}"
         f", {a.fp8_speedup_large:.2f}x at d_model>={a.fp8_speedup_large_d}, linear between "
         "(H200 measurements)",
-        f"emulated FP8 (no FP8 tensor cores, e.g. A100): {a.emulated_fp8_overhead:.2f}x BF16 "
-        "step time (placeholder, not measured)",
+        f"emulated FP8 (no FP8 tensor cores, e.g. A100): {a.emulated_fp8_overhead:.3f}x BF16 "
+        "step time (measured on H200 with the emulated path forced; not on an A100)",
         f"optimizer HBM efficiency {a.hbm_efficiency:.2f} (O0/O1, 28 B/param) and "
         f"{a.fp8_optimizer_hbm_efficiency:.3f} (O2/O3, 11 B/param) (H200 measurements)",
         f"collectives: ring, {a.comm_efficiency:.2f} of link bandwidth, overlap "
@@ -298,9 +309,11 @@ def level_speedup(level: str, kind: str, d_model: int, a: Assumptions) -> float:
 def microbatch_seconds(cfg: ModelConfig, seq_len: int, microbatch: int, level: str, kind: str,
                        a: Assumptions) -> float:
   """Seconds of one microbatch (`microbatch` sequences x `seq_len`) forward+backward."""
+  spec = gpu_spec(kind)
   flops = flops_per_token(cfg, seq_len) * microbatch * seq_len
-  return flops / (gpu_spec(kind).bf16_flops * a.bf16_mfu) / level_speedup(level, kind,
-                                                                           cfg.d_model, a)
+  compute = flops / (spec.bf16_flops * a.bf16_mfu) / level_speedup(level, kind, cfg.d_model, a)
+  overhead = a.microbatch_overhead_s_per_param * matmul_param_count(cfg) * 4.8e12 / spec.hbm_bw
+  return compute + overhead
 
 
 def activation_bytes(cfg: ModelConfig, seq_len: int, microbatch: int) -> float:
