@@ -79,7 +79,7 @@ def collective_bytes(hlo: str) -> dict[str, int]:
   return out
 
 
-def run_level(config: str, level: str, overrides: list[str], steps: int) -> dict:
+def run_level(config: str, level: str, overrides: list[str], steps: int, stage: int = 3) -> dict:
   import jax
   import numpy as np
 
@@ -87,8 +87,8 @@ def run_level(config: str, level: str, overrides: list[str], steps: int) -> dict
   from fp8jax.config import load_config
   from fp8jax.train import metrics as metrics_lib
   from fp8jax.train.loop import Trainer
-  cfg = load_config(config, list(overrides) + [f"train.opt_level={level}",
-                                               "parallel.zero_stage=3"])
+  cfg = load_config(config, [f"train.opt_level={level}", f"parallel.zero_stage={stage}"] +
+                    list(overrides))
   trainer = Trainer(cfg, progress=False)
   batch = trainer.next_batch(0)
   plan = trainer.zero
