@@ -58,7 +58,11 @@ def _spawn(args, level, stage, gpus, microbatch) -> dict:
          "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
   cmd = [sys.executable, __file__, "--one", f"{level}:{stage}:{microbatch}", "--config",
          args.config, "--steps", str(args.steps)] + [x for s in args.set for x in ("--set", s)]
-  out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+  try:
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+  except subprocess.TimeoutExpired:
+    return {"level": level, "stage": stage, "gpus": gpus, "microbatch": microbatch,
+            "failed": f"timeout after {args.timeout} s"}
   lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
   if out.returncode or not lines:
     text = out.stdout[-2000:] + out.stderr[-2000:]
@@ -72,7 +76,7 @@ def _spawn(args, level, stage, gpus, microbatch) -> dict:
 def _row(r, base) -> str:
   if "failed" in r:
     return (f"| {r['level']} | {r['stage']} | {r['gpus']} | {r['microbatch']} | "
-            f"{'OOM' if r['failed'] == 'OOM' else 'failed'} | | | | | | |")
+            f"{r['failed'] if r['failed'] in ('OOM',) or r['failed'].startswith('timeout') else 'failed'} | | | | | | |")
   comm = sum(r["collectives"].values()) / 2**20
   eff = "" if base is None else f"{r['tokens_per_s'] / (r['gpus'] * base):.2f}"
   pred = "" if not r.get("predicted_ms") else f"{r['predicted_ms']:.0f}"
