@@ -84,5 +84,26 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def run_workers(worker: str, args, processes: int, timeout: float = 300) -> list[str]:
+  """Runs tests/<worker> ARGS as `processes` local jax.distributed processes on 127.0.0.1
+  (CPU, FP8JAX_* variables); returns their logs, asserting every one exited 0."""
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
+         "JAX_PLATFORMS": "cpu", "FP8JAX_COORDINATOR": f"127.0.0.1:{free_port()}",
+         "FP8JAX_NUM_PROCESSES": str(processes)}
+  cmd = [sys.executable, os.path.join(ROOT, "tests", worker), *map(str, args)]
+  procs = [subprocess.Popen(cmd, env={**env, "FP8JAX_PROCESS_ID": str(i)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(processes)]
+  logs = []
+  try:
+    for p in procs:
+      logs.append(p.communicate(timeout=timeout)[0])
+  finally:
+    for p in procs:
+      p.kill()
+  assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+  return logs
+
+
 def run(cmd, timeout, **kw) -> subprocess.CompletedProcess:
   return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, **kw)

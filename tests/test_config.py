@@ -190,7 +190,6 @@ def test_bin_source_allows_any_vocab():
 REFUSED = {
     "parallel.tensor_parallel_size": 2,
     "parallel.pipeline_parallel_size": 2,
-    "parallel.device_map": "auto",
     "model.dropout_rate": 0.1,
 }
 

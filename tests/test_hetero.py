@@ -1,34 +1,28 @@
 """Heterogeneous meshes: balanced microbatch counts give the full-batch gradient, the balancer
 is optimal and respects memory, capability agreement is one decision, device_map/profile
 inputs are checked, and the Trainer runs balanced."""
-import functools
 import itertools
 import json
-import os
-import socket
-import subprocess
-import sys
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
+import ft_util
+
 import fp8jax
 from fp8jax.config import config_from_dict
-from fp8jax.linen import FP8_COLLECTION, Fp8DotGeneral
 from fp8jax.parallel import balance, capability, make_mesh
 from fp8jax.parallel import device_map as device_map_lib
 from fp8jax.parallel import profile as profile_lib
-from fp8jax.train import TrainState, make_train_step
-from fp8jax.train.balanced import (batch_sharding, group_count, layout_batch,
-                                   make_balanced_train_step, put_global)
+from fp8jax.train import make_train_step
+from fp8jax.train.balanced import (batch_sharding, layout_batch, make_balanced_train_step,
+                                   put_global)
 from conftest import rel_err
 from hetero_model import MICROBATCH, _LM, _state, setup
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _balanced_step(model, tx, state, batch, counts, mesh):
   sharding = batch_sharding(mesh)
   put = lambda x: put_global(np.asarray(x), sharding)
@@ -305,31 +299,10 @@ def test_trainer_runs_balanced_and_matches_the_uniform_run(tmp_path):
 
 # ----------------------------------------------------------------- two processes (slow)
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_agree_and_balanced_step_is_the_full_batch_step(tmp_path):
   counts = (1, 3)
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
-         "JAX_PLATFORMS": "cpu", "FP8JAX_COORDINATOR": f"127.0.0.1:{_free_port()}",
-         "FP8JAX_NUM_PROCESSES": "2"}
-  worker = os.path.join(ROOT, "tests", "hetero_worker.py")
-  args = [sys.executable, worker, str(tmp_path), "1,3", "2,0", "3"]
-  procs = [subprocess.Popen(args, env={**env, "FP8JAX_PROCESS_ID": str(i)},
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for i in range(2)]
-  logs = []
-  try:
-    for p in procs:
-      logs.append(p.communicate(timeout=400)[0])
-  finally:
-    for p in procs:
-      p.kill()
-  assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+  ft_util.run_workers("hetero_worker.py", [tmp_path, "1,3", "2,0", 3], 2, timeout=400)
   plans = [json.loads((tmp_path / f"plan_{i}.json").read_text()) for i in range(2)]
   assert plans[0] == plans[1] and plans[0]["native"] == [False, True]
   model, tx, state, batch = setup(True, sum(counts) * MICROBATCH)

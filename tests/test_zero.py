@@ -3,15 +3,14 @@ per device fall as 1/N, the stage-3 weight all-gather moves 1-byte FP8 payloads,
 offload keeps state in host memory, bad meshes and stages give clear errors."""
 import os
 import re
-import socket
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+
+import ft_util
 
 from fp8jax import optim as fp8_optim
 from fp8jax import parallel
@@ -246,13 +245,6 @@ def test_config_o3_uses_zero_stage_one():
   assert load_config(None, ["parallel.zero_stage=2"]).zero_stage() == 2
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -261,21 +253,7 @@ def test_multi_process_zero3_matches_single_process(runs, tmp_path, processes):
   """`processes` local processes x 2 CPU devices under jax.distributed (gloo) run the same
   ZeRO-3 steps as the single-process runs."""
   out = tmp_path / "params.npy"
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
-         "JAX_PLATFORMS": "cpu", "FP8JAX_COORDINATOR": f"127.0.0.1:{_free_port()}",
-         "FP8JAX_NUM_PROCESSES": str(processes)}
-  worker = os.path.join(ROOT, "tests", "zero_worker.py")
-  procs = [subprocess.Popen([sys.executable, worker, str(runs["seed"]), str(out)],
-                            env={**env, "FP8JAX_PROCESS_ID": str(i)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True) for i in range(processes)]
-  logs = []
-  try:
-    for p in procs:
-      logs.append(p.communicate(timeout=300)[0])
-  finally:
-    for p in procs:
-      p.kill()
-  assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-4000:]
+  logs = ft_util.run_workers("zero_worker.py", [runs["seed"], out], processes)
   assert f"process 0 of {processes}: mesh data={2 * processes}" in logs[0]
   p0, got = runs["init"], np.load(out)
   single = runs[(3, True)][0]

@@ -19,7 +19,6 @@ from fp8jax import data as data_lib
 from fp8jax import optim as fp8_optim
 from fp8jax.config import Config, config_to_dict, save_config
 from fp8jax.dot import native_fp8_reason
-from fp8jax.linen import FP8_COLLECTION
 from fp8jax.models.gpt import GPT, ModelConfig, flops_per_token, param_count
 from fp8jax.parallel import balance, capability
 from fp8jax.parallel import device_map as device_map_lib
