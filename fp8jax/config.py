@@ -30,7 +30,6 @@ from fp8jax.recipe import OptLevel, Recipe, opt_level
 # Features that are not built yet: (key path, values that work now, what the other values need).
 # A value outside the second column is refused. Remove the line when the feature lands.
 NOT_BUILT_YET = (
-    ("parallel.tensor_parallel_size", (1,), "tensor parallelism"),
     ("parallel.pipeline_parallel_size", (1,), "pipeline parallelism"),
     ("model.dropout_rate", (0.0, 0), "dropout RNG plumbing in the train step"),
 )
@@ -424,6 +423,7 @@ class Config(_Section):
   def _check(self):
     self._check_data_fits_model()
     self._check_offload()
+    self._check_tensor_parallel()
     if self.train.batch_ramp is not None:
       self._check_ramp()
     _refuse_unbuilt(self)
@@ -439,6 +439,19 @@ class Config(_Section):
   def zero_stage(self) -> int:
     """The ZeRO stage the run uses: parallel.zero_stage, at least the level's (O3: 1)."""
     return max(self.parallel.zero_stage, opt_level(self.train.opt_level).zero_stage)
+
+  def _check_tensor_parallel(self):
+    tp = self.parallel.tensor_parallel_size
+    if tp == 1:
+      return
+    from fp8jax.parallel.tensor import check_divisible
+    try:
+      check_divisible(self.model.n_heads, self.model.d_ff, tp)
+    except ValueError as e:
+      _fail(str(e))
+    if self.parallel.device_map is not None:
+      _fail(f"parallel.tensor_parallel_size={tp} with parallel.device_map is not supported yet "
+            "(the balanced step replicates the weights in each group); drop one of them")
 
   def _check_offload(self):
     if self.parallel.offload_optimizer and self.parallel.device_map is not None:

@@ -58,8 +58,8 @@ def test_cli_train_writes_logs_and_plot(tmp_path, capsys):
 
 def test_cli_train_refuses_a_bad_config_with_a_clear_message(tmp_path):
   result = subprocess.run([sys.executable, "-m", "fp8jax.cli", "train", "--config", TINY,
-                           "--set", "parallel.tensor_parallel_size=2"], capture_output=True,
+                           "--set", "parallel.pipeline_parallel_size=2"], capture_output=True,
                           text=True, timeout=300, cwd=tmp_path)
   assert result.returncode != 0
-  assert "parallel.tensor_parallel_size=2" in result.stderr
+  assert "parallel.pipeline_parallel_size=2" in result.stderr
   assert "not supported yet" in result.stderr

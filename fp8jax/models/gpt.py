@@ -182,9 +182,11 @@ class Attention(nn.Module):
   def __call__(self, x, cos, sin):
     cfg = self.config
     std = cfg.d_model ** -0.5
-    qkv = nn.DenseGeneral((3, cfg.n_heads, cfg.head_dim), name="qkv",
-                          **_dense_kwargs(cfg, self.recipe, std))(x)  # [B, T, 3, H, K]
-    q, k, v = (qkv[:, :, i] for i in range(3))
+    # Heads first, so a tensor-parallel split of the heads is a contiguous block of the GEMM's
+    # output columns (fp8jax.parallel.tensor).
+    qkv = nn.DenseGeneral((cfg.n_heads, 3, cfg.head_dim), name="qkv",
+                          **_dense_kwargs(cfg, self.recipe, std))(x)  # [B, T, H, 3, K]
+    q, k, v = (qkv[:, :, :, i] for i in range(3))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     # Scores and softmax in f32 (activation x activation: no FP8), output in the compute dtype.
     o = jax.nn.dot_product_attention(q, k, v, is_causal=True,
@@ -206,10 +208,10 @@ class MLP(nn.Module):
     std = cfg.d_model ** -0.5
     if cfg.mlp == "gelu":
       h = nn.gelu(nn.Dense(cfg.d_ff, name="fc_in", **_dense_kwargs(cfg, self.recipe, std))(x))
-    else:  # gate and up projections fused into one GEMM: [B, T, 2, F]
-      gu = nn.DenseGeneral((2, cfg.d_ff), name="fc_gate_in",
+    else:  # gate and up projections fused into one GEMM: [B, T, F, 2] (F first: see qkv)
+      gu = nn.DenseGeneral((cfg.d_ff, 2), name="fc_gate_in",
                            **_dense_kwargs(cfg, self.recipe, std))(x)
-      h = nn.silu(gu[..., 0, :]) * gu[..., 1, :]
+      h = nn.silu(gu[..., 0]) * gu[..., 1]
     out_std = cfg.d_ff ** -0.5 / np.sqrt(2 * cfg.n_layers)
     return nn.Dense(cfg.d_model, name="fc_out", **_dense_kwargs(cfg, self.recipe, out_std))(h)
 

@@ -9,6 +9,11 @@ offload, and ``initialize()`` for multi-host runs.
 * :mod:`fp8jax.parallel.distributed`: :func:`initialize` (explicit arguments, the
   FP8JAX_* variables ``fp8jax launch`` sets, cluster auto-detection, or single process).
 * :mod:`fp8jax.parallel.combine`: ``reduce_bucket_size`` -> XLA combine-threshold flags.
+* :mod:`fp8jax.parallel.tensor`: tensor-parallel rules (heads and MLP width over "tensor").
+* Heterogeneous meshes: :mod:`~fp8jax.parallel.capability` (FP8 native/emulated per process,
+  agreed), :mod:`~fp8jax.parallel.balance` (microbatch counts per group),
+  :mod:`~fp8jax.parallel.device_map` and :mod:`~fp8jax.parallel.profile` (throughputs),
+  :mod:`~fp8jax.parallel.cost_model` (``fp8jax simulate``).
 """
 from fp8jax.parallel.distributed import initialize
 from fp8jax.parallel import combine

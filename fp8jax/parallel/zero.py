@@ -19,6 +19,8 @@ replicate across "data", i.e. hybrid sharding):
 
 Rule per array: shard the largest dimension divisible by the product of the ZeRO axes' sizes
 (the first such on ties); replicate arrays where none divides, scalars, and the FP8 meta.
+With a "tensor" axis, arrays a tensor-parallel rule names (:mod:`fp8jax.parallel.tensor`)
+also split one dimension over it, in every stage; the ZeRO rule then picks another dimension.
 The batch's first dimension is sharded over ("data", "fsdp").
 
 Optimizer offload keeps the optimizer state in host memory (``pinned_host``) between steps;
@@ -38,7 +40,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fp8jax.optim.scaled import quantize_scaled
 from fp8jax.parallel.combine import combine_options
-from fp8jax.parallel.mesh import DATA, FSDP
+from fp8jax.parallel.mesh import DATA, FSDP, TENSOR
+from fp8jax.parallel.tensor import GPT_RULES, tensor_dim
 from fp8jax.train.state import TrainState
 from fp8jax.train.step import make_train_step
 
@@ -63,33 +66,51 @@ def _check_axes(mesh: Mesh, axes: Sequence[str]) -> tuple[str, ...]:
   return axes
 
 
-def shard_spec(shape: Sequence[int], mesh: Mesh, axes: Sequence[str] = ZERO_AXES) -> P:
+def shard_spec(shape: Sequence[int], mesh: Mesh, axes: Sequence[str] = ZERO_AXES,
+               tensor: int | None = None) -> P:
   """PartitionSpec sharding the largest dimension of `shape` divisible by the ZeRO axes' size
-  over `axes`; P() (replicated) when none divides or the size is 1."""
+  over `axes` (not dimension `tensor`, which goes to the "tensor" axis when given); P()
+  (replicated) when nothing is split."""
   n = math.prod(mesh.shape[a] for a in axes)
-  dims = [i for i, d in enumerate(shape) if d % n == 0 and d > 0]
-  if n == 1 or not dims:
-    return P()
-  dim = max(dims, key=lambda i: (shape[i], -i))
   spec: list[Any] = [None] * len(shape)
-  spec[dim] = tuple(axes)
-  return P(*spec)
+  if tensor is not None:
+    spec[tensor] = TENSOR
+  dims = [i for i, d in enumerate(shape) if d % n == 0 and d > 0 and i != tensor]
+  if n > 1 and dims:
+    spec[max(dims, key=lambda i: (shape[i], -i))] = tuple(axes)
+  return P(*spec) if any(a is not None for a in spec) else P()
 
 
-def sharded(tree, mesh: Mesh, axes: Sequence[str] = ZERO_AXES, memory_kind: str | None = None):
-  """NamedShardings, one per array leaf of `tree`, by :func:`shard_spec`."""
-  return jax.tree.map(
-      lambda x: NamedSharding(mesh, shard_spec(np.shape(x), mesh, axes), memory_kind=memory_kind),
+def leaf_spec(path, shape: Sequence[int], mesh: Mesh, axes: Sequence[str], zero: bool,
+              rules: Sequence = GPT_RULES) -> P:
+  """The spec of the state array at `path`: its tensor-parallel dimension (if a rule names
+  it) over "tensor", and, when `zero`, the ZeRO rule of :func:`shard_spec` over `axes`."""
+  tensor = tensor_dim(jax.tree_util.keystr(tuple(path)), shape, mesh, rules)
+  if zero:
+    return shard_spec(shape, mesh, axes, tensor)
+  return shard_spec(shape, mesh, (), tensor)
+
+
+def sharded(tree, mesh: Mesh, axes: Sequence[str] = ZERO_AXES, memory_kind: str | None = None,
+            rules: Sequence = GPT_RULES):
+  """NamedShardings, one per array leaf of `tree`: ZeRO-sharded by :func:`shard_spec`, plus
+  tensor-parallel dimensions (:mod:`fp8jax.parallel.tensor`) when the mesh has them."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: NamedSharding(mesh, leaf_spec(path, np.shape(x), mesh, axes, True, rules),
+                                    memory_kind=memory_kind), tree)
+
+
+def replicated(tree, mesh: Mesh, rules: Sequence = GPT_RULES):
+  """A NamedSharding per leaf of `tree`, replicated over the ZeRO axes (tensor-parallel
+  dimensions still split over "tensor")."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: NamedSharding(mesh, leaf_spec(path, np.shape(x), mesh, (), False, rules)),
       tree)
 
 
-def replicated(tree, mesh: Mesh):
-  """A replicated NamedSharding per leaf of `tree`."""
-  return jax.tree.map(lambda _: NamedSharding(mesh, P()), tree)
-
-
 def state_shardings(state: TrainState, mesh: Mesh, stage: int, *,
-                    axes: Sequence[str] = ZERO_AXES, offload: bool = False) -> TrainState:
+                    axes: Sequence[str] = ZERO_AXES, offload: bool = False,
+                    rules: Sequence = GPT_RULES) -> TrainState:
   """A TrainState of NamedShardings for ZeRO `stage` (see the module docstring).
 
   `offload` puts the optimizer state in host memory (needs stage >= 1).
@@ -98,10 +119,12 @@ def state_shardings(state: TrainState, mesh: Mesh, stage: int, *,
   if offload and stage == 0:
     raise ValueError("offload_optimizer=True is not allowed with ZeRO stage 0; use stage 1, 2 "
                      "or 3 (the offloaded optimizer state is the sharded one)")
-  params = sharded(state.params, mesh, axes) if stage >= 3 else replicated(state.params, mesh)
-  opt = (sharded(state.opt_state, mesh, axes, HOST_MEMORY if offload else None)
-         if stage >= 1 else replicated(state.opt_state, mesh))
-  return TrainState(NamedSharding(mesh, P()), params, replicated(state.fp8, mesh), opt)
+  params = (sharded(state.params, mesh, axes, rules=rules) if stage >= 3
+            else replicated(state.params, mesh, rules))
+  opt = (sharded(state.opt_state, mesh, axes, HOST_MEMORY if offload else None, rules)
+         if stage >= 1 else replicated(state.opt_state, mesh, rules))
+  fp8 = jax.tree.map(lambda _: NamedSharding(mesh, P()), state.fp8)  # scalars, histories
+  return TrainState(NamedSharding(mesh, P()), params, fp8, opt)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
@@ -109,21 +132,22 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P((DATA, FSDP)))
 
 
-def _constrain(tree, mesh: Mesh, axes, shard: bool):
-  def one(x):
-    spec = shard_spec(x.shape, mesh, axes) if shard else P()
+def _constrain(tree, mesh: Mesh, axes, shard: bool, rules: Sequence = GPT_RULES):
+  def one(path, x):
+    spec = leaf_spec(path, x.shape, mesh, axes, shard, rules)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-  return jax.tree.map(one, tree)
+  return jax.tree_util.tree_map_with_path(one, tree)
 
 
-def reduce_gradients(grads, mesh: Mesh, stage: int, axes: Sequence[str] = ZERO_AXES):
+def reduce_gradients(grads, mesh: Mesh, stage: int, axes: Sequence[str] = ZERO_AXES,
+                     rules: Sequence = GPT_RULES):
   """Parameter gradients summed over the data-parallel ranks: all-reduced (stage <= 1) or
   reduce-scattered to the ZeRO layout (stage >= 2), by constraining their sharding.
 
   Hook: this is where FP8 gradient collectives (``fp8jax.parallel.collectives``) plug in;
   here XLA chooses the collective and reduces in the gradients' own dtype.
   """
-  return _constrain(grads, mesh, axes, shard=stage >= 2)
+  return _constrain(grads, mesh, axes, stage >= 2, rules)
 
 
 def _replicate_bits(x, rep: NamedSharding):
@@ -139,11 +163,12 @@ def _replicate_bits(x, rep: NamedSharding):
   return jax.lax.bitcast_convert_type(b, x.dtype)
 
 
-def _gather_leaf(x, mesh: Mesh, axes, dtype):
-  """`x` replicated, travelling in `dtype` (None: as it is) with a straight-through gradient
-  that is reduce-scattered back to `x`'s ZeRO layout."""
-  rep = NamedSharding(mesh, P())
-  home = NamedSharding(mesh, shard_spec(x.shape, mesh, axes))
+def _gather_leaf(path, x, mesh: Mesh, axes, dtype, rules: Sequence = GPT_RULES):
+  """`x` replicated over the ZeRO axes (tensor-parallel dimensions stay split), travelling in
+  `dtype` (None: as it is) with a straight-through gradient that is reduce-scattered back to
+  `x`'s ZeRO layout."""
+  rep = NamedSharding(mesh, leaf_spec(path, x.shape, mesh, axes, False, rules))
+  home = NamedSharding(mesh, leaf_spec(path, x.shape, mesh, axes, True, rules))
 
   def value(x):
     if dtype is None:
@@ -169,7 +194,7 @@ def _leaf_name(path) -> str:
 
 
 def gather_params(params, mesh: Mesh, *, fp8_kernels: bool, payload_dtype=None,
-                  axes: Sequence[str] = ZERO_AXES):
+                  axes: Sequence[str] = ZERO_AXES, rules: Sequence = GPT_RULES):
   """Stage-3 forward weights: every leaf all-gathered (see the module docstring).
 
   Args:
@@ -179,13 +204,14 @@ def gather_params(params, mesh: Mesh, *, fp8_kernels: bool, payload_dtype=None,
       dtype, FP16 at O2/O3), or None to gather them as they are.
   """
   def one(path, x):
-    if shard_spec(x.shape, mesh, axes) == P():  # replicated already: nothing to gather
-      return x
+    if leaf_spec(path, x.shape, mesh, axes, True, rules) == \
+        leaf_spec(path, x.shape, mesh, axes, False, rules):
+      return x  # not ZeRO-sharded: nothing to gather
     if not jnp.issubdtype(x.dtype, jnp.floating):
-      return _gather_leaf(x, mesh, axes, None)
+      return _gather_leaf(path, x, mesh, axes, None, rules)
     if fp8_kernels and _leaf_name(path) == "kernel":
-      return _gather_leaf(x, mesh, axes, FP8_GATHER_DTYPE)
-    return _gather_leaf(x, mesh, axes, payload_dtype)
+      return _gather_leaf(path, x, mesh, axes, FP8_GATHER_DTYPE, rules)
+    return _gather_leaf(path, x, mesh, axes, payload_dtype, rules)
   return jax.tree_util.tree_map_with_path(one, params)
 
 
@@ -221,6 +247,7 @@ class ZeroPlan:
   fp8_gather: bool = False
   payload_dtype: Any = None
   compiler_options: dict | None = None
+  rules: tuple = GPT_RULES
 
   def shard_state(self, state: TrainState) -> TrainState:
     """`state` (same value on every process) placed on the mesh."""
@@ -240,10 +267,11 @@ class ZeroPlan:
     gather = None
     if self.stage >= 3:
       gather = lambda p: gather_params(p, mesh, fp8_kernels=self.fp8_gather,
-                                       payload_dtype=self.payload_dtype, axes=axes)
+                                       payload_dtype=self.payload_dtype, axes=axes,
+                                       rules=self.rules)
     reduce = None
     if self.stage >= 1:
-      reduce = lambda g: reduce_gradients(g, mesh, self.stage, axes)
+      reduce = lambda g: reduce_gradients(g, mesh, self.stage, axes, self.rules)
     step = make_train_step(apply_fn, tx, microbatches, gather_params=gather,
                            reduce_gradients=reduce)
     if wrap is not None:
@@ -267,22 +295,26 @@ class ZeroPlan:
 
 def plan(state: TrainState, mesh: Mesh, stage: int, *, level=None, offload: bool = False,
          axes: Sequence[str] = ZERO_AXES, reduce_bucket_size: int | None = None,
-         allgather_bucket_size: int | None = None) -> ZeroPlan:
+         allgather_bucket_size: int | None = None,
+         tensor_rules: Sequence = GPT_RULES) -> ZeroPlan:
   """The :class:`ZeroPlan` of `state` for ZeRO `stage` on `mesh`.
 
   `level` (an ``fp8jax.OptLevel``) decides how stage 3 gathers: FP8 kernels when it has FP8
   GEMMs, other parameters in its master dtype when that is narrower than f32. The bucket
   sizes (bytes) become XLA combine thresholds (:mod:`fp8jax.parallel.combine`).
+  `tensor_rules` split parameters over the mesh's "tensor" axis (:mod:`fp8jax.parallel.tensor`;
+  the default suits the reference model).
   """
   options = combine_options(reduce_bucket_size, allgather_bucket_size)
   axes = _check_axes(mesh, axes)
-  shardings = state_shardings(state, mesh, stage, axes=axes, offload=offload)
+  rules = tuple(tensor_rules)
+  shardings = state_shardings(state, mesh, stage, axes=axes, offload=offload, rules=rules)
   fp8_gather = level is not None and level.fp8_gemms
   payload = None
   if level is not None and np.dtype(level.master_dtype).itemsize < 4:
     payload = np.dtype(level.master_dtype)
   return ZeroPlan(mesh, check_stage(stage), shardings, batch_sharding(mesh), axes, offload,
-                  fp8_gather, payload, options)
+                  fp8_gather, payload, options, rules)
 
 
 def device_bytes(tree) -> dict:

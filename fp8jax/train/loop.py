@@ -76,10 +76,12 @@ class Trainer:
     return init_state(self.model, self.tx, self.level, t.microbatch_size, d.seq_len, t.seed)
 
   def _zero_plan(self):
-    """The ZeRO plan over all devices when the run shards (stage > 0) or has several
-    processes; None for the single-device path."""
+    """The ZeRO plan over all devices when the run shards (stage > 0, tensor parallelism,
+    balanced microbatches) or has several processes; None for the single-device path."""
     stage = self.config.zero_stage()
-    if stage == 0 and jax.process_count() == 1 and self.config.parallel.device_map is None:
+    p = self.config.parallel
+    if stage == 0 and jax.process_count() == 1 and p.device_map is None and \
+        p.tensor_parallel_size == 1:
       return None
     from fp8jax import parallel
     mesh = parallel.mesh_from_config(self.config.parallel)

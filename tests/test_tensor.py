@@ -1,0 +1,125 @@
+"""Tensor parallelism: Megatron-style rules split heads and MLP width over the "tensor" axis;
+steps on data x tensor meshes (with ZeRO 1 and 3) match one device; bad sizes are refused."""
+import os
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from fp8jax import parallel
+from fp8jax.config import config_from_dict
+from fp8jax.parallel.tensor import tensor_dim
+from fp8jax.train.step import make_train_step
+from test_zero import LEVEL, MICROBATCHES, _flat, _kernels_through_e4m3, _rel, _setup, batches
+
+TP_MODEL = dict(vocab_size=256, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=16)
+
+
+def test_rules_split_heads_and_mlp_width_only():
+  mesh = parallel.make_mesh(data=4, tensor=2)
+  dims = {"['layers']['attn']['qkv']['kernel']": ((2, 32, 4, 3, 8), 2),
+          "['layers']['attn']['out']['kernel']": ((2, 4, 8, 32), 1),
+          "['layers']['mlp']['fc_in']['kernel']": ((2, 32, 64), 2),
+          "['layers']['mlp']['fc_gate_in']['kernel']": ((2, 32, 64, 2), 2),
+          "['layers']['mlp']['fc_out']['kernel']": ((2, 64, 32), 1),
+          "['head']['kernel']": ((32, 256), None),
+          "['layers']['mlp']['fc_in']['kernel'].scale": ((2,), None),  # rank too low
+          "['layers']['attn']['qkv']['kernel']x": ((2, 32, 3, 3, 8), None)}  # 3 heads
+  for path, (shape, want) in dims.items():
+    assert tensor_dim(path, shape, mesh) == want, path
+  assert tensor_dim("['layers']['attn']['qkv']['kernel']", (2, 32, 4, 3, 8),
+                    parallel.make_mesh(data=8)) is None
+
+
+@pytest.fixture(scope="module")
+def tp_runs():
+  from fp8jax.models.gpt import ModelConfig
+  seed = int(os.environ.get("FP8JAX_TEST_SEED", np.random.SeedSequence().entropy % (1 << 31)))
+  print(f"tp_runs: seed {seed}")
+  data = batches(seed)
+  model, tx, init = _setup(ModelConfig(**TP_MODEL), LEVEL)
+  out = {"init": _flat(init().model_params())}
+  for name, gather in (("ref", None), ("ref_fp8_gather", _kernels_through_e4m3)):
+    step = jax.jit(make_train_step(model.apply, tx, MICROBATCHES, gather_params=gather))
+    state = init()
+    for b in data:
+      state, m = step(state, b)
+    out[name] = (_flat(state.model_params()), float(m["loss"]))
+  for name, shape, stage in (("tp1", dict(data=4, tensor=2), 1),
+                             ("tp3", dict(data=2, fsdp=2, tensor=2), 3)):
+    plan = parallel.plan(init(), parallel.make_mesh(**shape), stage, level=LEVEL)
+    state = plan.shard_state(init())
+    step = plan.train_step(model.apply, tx, MICROBATCHES)
+    for b in data:
+      state, m = step(state, plan.shard_batch(b))
+    out[name] = (_flat(parallel.to_host(state.model_params())), float(m["loss"]), state, plan)
+  return out
+
+
+def test_tensor_parallel_zero1_matches_one_device(tp_runs):
+  p0, (ref, ref_loss) = tp_runs["init"], tp_runs["ref"]
+  got, loss, state, _ = tp_runs["tp1"]
+  assert np.isfinite(got).all() and np.linalg.norm(ref - p0) > 0
+  assert _rel(got - p0, ref - p0) < 0.05
+  assert abs(loss - ref_loss) < 1e-3 * ref_loss
+  # The kernels live split over "tensor": each device holds half the heads / MLP width.
+  qkv = state.params.params["layers"]["attn"]["qkv"]["kernel"].data  # FP16 master payload
+  assert qkv.sharding.spec == P(None, None, "tensor", None, None)
+  assert qkv.addressable_shards[0].data.shape == (2, 32, 2, 3, 8)
+  mu = jax.tree.leaves(state.opt_state, is_leaf=lambda x: hasattr(x, "sharding"))
+  assert any("tensor" in str(x.sharding.spec) for x in mu)  # moments follow the kernels
+
+
+def test_tensor_parallel_with_zero3_matches_one_device(tp_runs):
+  p0, (ref, _) = tp_runs["init"], tp_runs["ref_fp8_gather"]
+  got, _, state, plan = tp_runs["tp3"]
+  assert _rel(got - p0, ref - p0) < 0.05
+  fc_in = state.params.params["layers"]["mlp"]["fc_in"]["kernel"].data
+  assert set(fc_in.sharding.spec) >= {"tensor", ("data", "fsdp")}
+  assert fc_in.addressable_shards[0].data.size == fc_in.size // 8
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"model": {"n_heads": 3, "d_model": 48}, "parallel": {"tensor_parallel_size": 2}},
+     r"model.n_heads=3 does not split over parallel.tensor_parallel_size=2"),
+    ({"model": {"d_ff": 100}, "parallel": {"tensor_parallel_size": 8}},
+     r"model.n_heads=4 does not split"),
+    ({"parallel": {"tensor_parallel_size": 2, "device_map": {"cpu": 1}}},
+     r"tensor_parallel_size=2 with parallel.device_map is not supported yet"),
+])
+def test_bad_tensor_parallel_configs_are_refused(over, message):
+  with pytest.raises(ValueError, match=message):
+    config_from_dict(over)
+
+
+def test_trainer_runs_tensor_parallel(tmp_path):
+  from fp8jax.train.loop import Trainer
+  losses = {}
+  for name, par in (("one", {}), ("tp", {"tensor_parallel_size": 2, "zero_stage": 1})):
+    cfg = config_from_dict({
+        "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_seq_len": 16},
+        "data": {"seq_len": 16, "max_bytes": 200_000},
+        "train": {"steps": 2, "batch_size": 8, "warmup_steps": 1, "eval_every": 0,
+                  "log_every": 1, "opt_level": "O2"},
+        "parallel": par, "runtime": {"run_dir": str(tmp_path / name)}})
+    trainer = Trainer(cfg, progress=False)
+    losses[name] = [trainer.run()["loss"]]
+    if name == "tp":
+      assert dict(trainer.zero.mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
+  np.testing.assert_allclose(losses["tp"], losses["one"], rtol=2e-3)
+
+
+def test_compiled_tensor_parallel_step_gathers_no_weights():
+  """The GEMMs run on each device's slice of the weights: the compiled stage-0 step's
+  all-gathers carry tokens only (no float weights), and the row-parallel outputs are
+  all-reduced."""
+  import re
+  from fp8jax.models.gpt import ModelConfig
+  model, tx, init = _setup(ModelConfig(**{**TP_MODEL, "mlp": "swiglu"}), LEVEL)
+  plan = parallel.plan(init(), parallel.make_mesh(data=4, tensor=2), 0, level=LEVEL)
+  hlo = plan.train_step(model.apply, tx, MICROBATCHES).lower(
+      plan.shard_state(init()), plan.shard_batch(batches(0)[0])).compile().as_text()
+  gathers = re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo)
+  assert gathers and all(g.startswith(("s32", "u32", "(s32")) for g in gathers), gathers
+  assert re.search(r"= f32\[32,32\]\S* all-reduce(?:-start)?\(", hlo)
