@@ -3,14 +3,19 @@ steps on data x tensor meshes (with ZeRO 1 and 3) match one device; bad sizes ar
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from fp8jax import parallel
 from fp8jax.config import config_from_dict
+from fp8jax.linen import FP8_COLLECTION
+from fp8jax.train.state import TrainState
 from fp8jax.parallel.tensor import tensor_dim
 from fp8jax.train.step import make_train_step
+from fp8jax.recipe import opt_level
 from test_zero import LEVEL, MICROBATCHES, _flat, _kernels_through_e4m3, _rel, _setup, batches
 
 TP_MODEL = dict(vocab_size=256, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=16)
@@ -38,7 +43,17 @@ def tp_runs():
   seed = int(os.environ.get("FP8JAX_TEST_SEED", np.random.SeedSequence().entropy % (1 << 31)))
   print(f"tp_runs: seed {seed}")
   data = batches(seed)
-  model, tx, init = _setup(ModelConfig(**TP_MODEL), LEVEL)
+  # O1 (FP8 GEMMs, f32 master) with SGD: the update is the gradient, so it compares well
+  # (Adam's first steps are nearly sign(g): tiny differences flip elements near zero).
+  level = opt_level("O1")
+  model, _, _ = _setup(ModelConfig(**TP_MODEL), level)
+  tx = optax.sgd(0.1, momentum=0.9)  # its trace mirrors the params
+
+  @jax.jit
+  def init():
+    v = model.init(jax.random.key(0), jnp.zeros((2, 8), jnp.int32))
+    return TrainState(jnp.zeros((), jnp.int32), v["params"], v[FP8_COLLECTION],
+                      tx.init(v["params"]))
   out = {"init": _flat(init().model_params())}
   for name, gather in (("ref", None), ("ref_fp8_gather", _kernels_through_e4m3)):
     step = jax.jit(make_train_step(model.apply, tx, MICROBATCHES, gather_params=gather))
@@ -48,7 +63,7 @@ def tp_runs():
     out[name] = (_flat(state.model_params()), float(m["loss"]))
   for name, shape, stage in (("tp1", dict(data=4, tensor=2), 1),
                              ("tp3", dict(data=2, fsdp=2, tensor=2), 3)):
-    plan = parallel.plan(init(), parallel.make_mesh(**shape), stage, level=LEVEL)
+    plan = parallel.plan(init(), parallel.make_mesh(**shape), stage, level=level)
     state = plan.shard_state(init())
     step = plan.train_step(model.apply, tx, MICROBATCHES)
     for b in data:
@@ -61,10 +76,13 @@ def test_tensor_parallel_zero1_matches_one_device(tp_runs):
   p0, (ref, ref_loss) = tp_runs["init"], tp_runs["ref"]
   got, loss, state, _ = tp_runs["tp1"]
   assert np.isfinite(got).all() and np.linalg.norm(ref - p0) > 0
-  assert _rel(got - p0, ref - p0) < 0.05
-  assert abs(loss - ref_loss) < 1e-3 * ref_loss
+  print(f"tensor x ZeRO-1 update error {_rel(got - p0, ref - p0):.2e}")
+  # Same math, other summation order; an amax that differs in the last bit can move a delayed
+  # scale and with it some E4M3 roundings of the next step: percent-level at most.
+  assert _rel(got - p0, ref - p0) < 0.03
+  assert abs(loss - ref_loss) < 1e-4 * ref_loss
   # The kernels live split over "tensor": each device holds half the heads / MLP width.
-  qkv = state.params.params["layers"]["attn"]["qkv"]["kernel"].data  # FP16 master payload
+  qkv = state.params["layers"]["attn"]["qkv"]["kernel"]
   assert qkv.sharding.spec == P(None, None, "tensor", None, None)
   assert qkv.addressable_shards[0].data.shape == (2, 32, 2, 3, 8)
   mu = jax.tree.leaves(state.opt_state, is_leaf=lambda x: hasattr(x, "sharding"))
@@ -74,8 +92,11 @@ def test_tensor_parallel_zero1_matches_one_device(tp_runs):
 def test_tensor_parallel_with_zero3_matches_one_device(tp_runs):
   p0, (ref, _) = tp_runs["init"], tp_runs["ref_fp8_gather"]
   got, _, state, plan = tp_runs["tp3"]
-  assert _rel(got - p0, ref - p0) < 0.05
-  fc_in = state.params.params["layers"]["mlp"]["fc_in"]["kernel"].data
+  print(f"tensor x ZeRO-3 update error {_rel(got - p0, ref - p0):.2e}, vs no E4M3 gather "
+        f"{_rel(got - p0, tp_runs['ref'][0] - p0):.2e}")
+  assert _rel(got - p0, ref - p0) < 0.03  # the gathered kernels' E4M3 rounding, as reference
+  assert _rel(got - p0, tp_runs["ref"][0] - p0) > 0.1  # ... which did happen
+  fc_in = state.params["layers"]["mlp"]["fc_in"]["kernel"]
   assert set(fc_in.sharding.spec) >= {"tensor", ("data", "fsdp")}
   assert fc_in.addressable_shards[0].data.size == fc_in.size // 8
 

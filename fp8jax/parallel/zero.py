@@ -14,8 +14,9 @@ replicate across "data", i.e. hybrid sharding):
   scan), 1 byte per parameter; other parameters travel in the master payload dtype (FP16 with
   a power-of-two scale at O2/O3, which is lossless) or as they are stored (f32 at O0/O1). The
   backward pass is straight-through: the gathered weight's gradient is reduce-scattered.
-  The FP8 dot then casts the gathered kernel again with its own (delayed) scale: the weight
-  sees two E4M3 roundings per step instead of one (within FP8 tolerance, see the tests).
+  The FP8 dot then casts the gathered kernel (held in BF16) again with its own (delayed)
+  scale: the weight sees two E4M3 roundings per step instead of one (within FP8 tolerance,
+  see the tests).
 
 Rule per array: shard the largest dimension divisible by the product of the ZeRO axes' sizes
 (the first such on ties); replicate arrays where none divides, scalars, and the FP8 meta.
@@ -178,14 +179,17 @@ def _gather_leaf(path, x, mesh: Mesh, axes, dtype, rules: Sequence = GPT_RULES):
     q = jax.vmap(quantize)(x) if per_slice else quantize(x)
     data = _replicate_bits(q.data, rep)
     scale = q.scale.reshape(q.scale.shape + (1,) * (x.ndim - q.scale.ndim))
-    return (data.astype(jnp.float32) * scale).astype(x.dtype)
+    # An FP8 kernel is re-quantized by its GEMM: BF16 holds it for that at half the bytes of
+    # f32 (the gathered model is the largest buffer of a stage-3 step).
+    wide = jnp.bfloat16 if dtype == FP8_GATHER_DTYPE else x.dtype
+    return (data.astype(jnp.float32) * scale).astype(wide)
 
   @jax.custom_vjp
   def gather(x):
     return value(x)
 
   gather.defvjp(lambda x: (value(x), None),
-                lambda _, g: (jax.lax.with_sharding_constraint(g, home),))
+                lambda _, g: (jax.lax.with_sharding_constraint(g.astype(x.dtype), home),))
   return gather(x)
 
 
