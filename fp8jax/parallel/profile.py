@@ -15,6 +15,7 @@ balancer reads them back as :class:`~fp8jax.parallel.balance.KindProfile` (:func
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -83,20 +84,14 @@ def load(path: str) -> KindProfile:
 
 
 def _median_seconds(fn, state, batch, steps: int):
-  state, _ = fn(state, batch)  # compile + warm-up
-  jax_block(state)
+  import jax
+  state, _ = jax.block_until_ready(fn(state, batch))  # warm-up
   times = []
   for _ in range(steps):
     t0 = time.perf_counter()
-    state, metrics = fn(state, batch)
-    jax_block((state, metrics))
+    state, metrics = jax.block_until_ready(fn(state, batch))
     times.append(time.perf_counter() - t0)
   return float(np.median(times)), state
-
-
-def jax_block(tree):
-  import jax
-  return jax.block_until_ready(tree)
 
 
 def _peak_bytes(compiled) -> int | None:
@@ -128,7 +123,6 @@ def measure(config, sizes: Sequence[int], steps: int = 5,
   from fp8jax.train.optimizer import lr_schedule, make_optimizer
   from fp8jax.train.state import init_state
   from fp8jax.train.step import make_train_step
-  import dataclasses
 
   sizes = sorted({int(s) for s in sizes})
   if not sizes or sizes[0] < 1:
