@@ -227,7 +227,7 @@ def _fp8_matmul_fwd(x, w, meta: Fp8DotMeta, cfg: _Config):
 
 
 def _fp8_matmul_bwd(cfg: _Config, res, cts):
-  qx, qw, sx, sw, og_meta, new_in, new_k = res
+  qx, qw, sx, sw, og_meta, new_in, new_k = res  # fused: qx is q_x_t[.., K, M]
   g, meta_ct = cts
   r = cfg.recipe
   if cfg.fused:

@@ -61,7 +61,8 @@ class Recipe:
       (Triton) pass that also writes the transposed FP8 copy and the amax
       (:mod:`fp8jax.kernels.cast_transpose`); the weight-gradient GEMM then reads both
       operands K-major. GPU-only, native FP8 only; elsewhere (and for shapes the kernel does
-      not tile) the XLA path runs. Same values either way.
+      not tile) the XLA path runs. Same FP8 values either way (up to XLA's excess-precision
+      fusion of a producer into its own cast).
   """
 
   fwd_format: Any = E4M3

@@ -57,7 +57,7 @@ def test_kernel_matches_xla_reference(key, fmt, shape, dtype, block):
   assert float(out[2]) == float(scaling.compute_amax(x))
   q = np.asarray(out[0], np.float32)
   fmax = scaling.fp8_max(fmt)
-  assert (np.abs(q) == fmax).mean() > 0.001  # some values saturated ...
+  assert (np.abs(q) == fmax).any()  # the largest values saturated (scale < amax / fmax) ...
   if not (dtype == jnp.float16 and fmt == jnp.float8_e5m2):  # f16 cannot go below E5M2's range
     assert ((q == 0) & (np.asarray(x, np.float32) != 0)).any()  # ... and some flushed to zero
 
