@@ -3,6 +3,7 @@
   python benchmarks/train_throughput.py --config configs/gpt_1_3b.yaml \
       --run O0=O0 --run O1=O1 --run "O2 no-remat=O2,model.remat=false" [--steps 10] \
       [--set model.attention_impl=cudnn ...]
+  e.g. the fused FP8 cast kernel: --run O1=O1 --run "O1 fused=O1,fp8.fused_cast_transpose=true"
 
 Each ``--run LABEL=LEVEL[,key=value...]`` is measured in its own subprocess (so the device's
 peak memory is that run's alone) on the same config, data and batch: one warm-up step

@@ -311,6 +311,7 @@ class Fp8Section(_Section):
   scaling: str = "delayed"
   power_of_two_scales: bool = False
   bwd_fast_accumulation: bool = False
+  fused_cast_transpose: bool = False
 
   def _check(self):
     try:

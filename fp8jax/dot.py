@@ -6,6 +6,11 @@ Backward: the output gradient cast to the backward format (E5M2); input gradient
 ``g x w^T`` and weight gradient ``x^T g`` are E5M2 x E4M3 FP8 GEMMs (never E5M2 x E5M2).
 The FP8 operands are the residuals, so saved activations take 1 byte per element.
 
+With ``Recipe(fused_cast_transpose=True)`` (GPU, native FP8) activations and output gradients
+are cast by one fused kernel (:mod:`fp8jax.kernels.cast_transpose`) that also writes their
+transposed FP8 copies and amaxes; the residual is the transposed activation, and the weight
+gradient contracts the last axes of both transposed operands (cuBLASLt's "TN" layout).
+
 The updated :class:`Fp8DotMeta` comes back from the backward pass as the cotangent of the
 meta argument (the overwrite-with-gradient convention): ``jax.grad`` with respect to the meta
 returns the new meta. :func:`fp8_dot_general_chained` also returns the meta unchanged as a
@@ -31,6 +36,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from fp8jax import scaling
+from fp8jax.kernels import cast_transpose as ct
 from fp8jax.recipe import Recipe
 from fp8jax.scaling import Fp8Meta
 
@@ -102,6 +108,7 @@ class _Config(NamedTuple):
   meta_vma: frozenset = frozenset()  # manual mesh axes the meta varies over (shard_map)
   x_sharding: Any = None  # explicit-mode shardings for the backward GEMMs' outputs
   w_sharding: Any = None
+  fused: bool = False  # activations / output gradients cast by the fused cast+transpose kernel
 
 
 def _vma(x) -> frozenset:
@@ -163,6 +170,36 @@ def _mm(a, b, contract: tuple[int, int], scale, out_dtype, native: bool, fast_ac
   return (y * scale.astype(gemm_dtype)).astype(out_dtype)
 
 
+def _scale_before_cast(x, meta: Fp8Meta, recipe: Recipe, fmt, amax_axes):
+  """scaling.scale_for_cast without the amax pass where delayed scaling does not need it:
+  the tensor's amax is computed first only for current scaling or a never-observed meta."""
+  cur = lambda: scaling.scale_for_cast(meta, scaling.compute_amax(x, amax_axes), recipe, fmt)
+  if recipe.scaling == "current":
+    return cur()
+  return lax.cond(jnp.max(meta.amax_history) <= 0, cur, lambda: meta.scale)
+
+
+def _fused_cast(x, meta: Fp8Meta, recipe: Recipe, fmt, amax_axes):
+  """(q, q_t, amax, scale) of x[B?, M, K] in one pass of the fused kernel; same values as
+  scale_for_cast + quantize + compute_amax."""
+  scale = _scale_before_cast(x, meta, recipe, fmt, amax_axes)
+  q, q_t, amax = ct.cast_transpose_amax(x, scale, fmt, interpret=jax.default_backend() != "gpu")
+  if amax_axes:
+    amax = lax.pmax(amax, tuple(amax_axes))
+  return q, q_t, amax, scale
+
+
+def _fused_reason(x_shape, x_dtype, g_shape, g_dtype, recipe: Recipe, native: bool) -> str | None:
+  """None when Recipe.fused_cast_transpose can use the kernel for this GEMM, else why not."""
+  if not native and jax.default_backend() == "gpu":
+    return "FP8 GEMMs are emulated on this GPU"
+  if jax.device_count() > 1 and not ct.interpreting_anywhere():
+    return ("more than one device: a Pallas call has no partitioning rule, XLA would gather "
+            "sharded operands around it")
+  return (ct.kernel_reason(x_shape, x_dtype, recipe.fwd_format)
+          or ct.kernel_reason(g_shape, g_dtype, recipe.bwd_format))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _fp8_matmul(x, w, meta: Fp8DotMeta, cfg: _Config):
   """x[B?, M, K] @ w[B?, K, N] in FP8; returns (y[B?, M, N], meta)."""
@@ -171,34 +208,45 @@ def _fp8_matmul(x, w, meta: Fp8DotMeta, cfg: _Config):
 
 def _fp8_matmul_fwd(x, w, meta: Fp8DotMeta, cfg: _Config):
   r = cfg.recipe
-  ax = scaling.compute_amax(x, cfg.amax_axes)
+  if cfg.fused:
+    qx, qx_saved, ax, sx = _fused_cast(x, meta.input, r, r.fwd_format, cfg.amax_axes)
+  else:
+    ax = scaling.compute_amax(x, cfg.amax_axes)
+    sx = scaling.scale_for_cast(meta.input, ax, r, r.fwd_format)
+    qx = qx_saved = scaling.quantize(x, sx, r.fwd_format)
   aw = scaling.compute_amax(w, cfg.amax_axes)
-  sx = scaling.scale_for_cast(meta.input, ax, r, r.fwd_format)
   sw = scaling.scale_for_cast(meta.kernel, aw, r, r.fwd_format)
-  qx = scaling.quantize(x, sx, r.fwd_format)
   qw = scaling.quantize(w, sw, r.fwd_format)
   k_axis = x.ndim - 1
   y = _mm(qx, qw, (k_axis, k_axis - 1), sx * sw, cfg.out_dtype, cfg.native, True)
   new_in = scaling.update_meta(meta.input, ax, r, r.fwd_format)
   new_k = scaling.update_meta(meta.kernel, aw, r, r.fwd_format)
-  res = (qx, qw, sx, sw, meta.output_grad, new_in, new_k)
+  # Fused: the residual is x's transposed copy q_x_t[.., K, M], ready for the TN wgrad GEMM.
+  res = (qx_saved, qw, sx, sw, meta.output_grad, new_in, new_k)
   return (y, meta), res
 
 
 def _fp8_matmul_bwd(cfg: _Config, res, cts):
-  qx, qw, sx, sw, og_meta, new_in, new_k = res
+  qx, qw, sx, sw, og_meta, new_in, new_k = res  # fused: qx is q_x_t[.., K, M]
   g, meta_ct = cts
   r = cfg.recipe
-  ag = scaling.compute_amax(g, cfg.amax_axes)
-  sg = scaling.scale_for_cast(og_meta, ag, r, r.bwd_format)
-  qg = scaling.quantize(g, sg, r.bwd_format)
+  if cfg.fused:
+    qg, qg_t, ag, sg = _fused_cast(g, og_meta, r, r.bwd_format, cfg.amax_axes)
+  else:
+    ag = scaling.compute_amax(g, cfg.amax_axes)
+    sg = scaling.scale_for_cast(og_meta, ag, r, r.bwd_format)
+    qg = scaling.quantize(g, sg, r.bwd_format)
   m_axis = g.ndim - 2
   # dgrad: g[.., M, N] . w[.., K, N] over N -> [.., M, K]; wgrad: x[.., M, K] . g[.., M, N]
   # over M -> [.., K, N]. Both are E5M2 x E4M3.
   fast = r.bwd_fast_accumulation
   dx = _mm(qg, qw, (m_axis + 1, m_axis + 1), sg * sw, cfg.x_dtype, cfg.native, fast,
            cfg.x_sharding)
-  dw = _mm(qx, qg, (m_axis, m_axis), sx * sg, cfg.w_dtype, cfg.native, fast, cfg.w_sharding)
+  if cfg.fused:  # TN: q_x_t[.., K, M] . q_g_t[.., N, M] over M (both last) -> [.., K, N]
+    dw = _mm(qx, qg_t, (m_axis + 1, m_axis + 1), sx * sg, cfg.w_dtype, cfg.native, fast,
+             cfg.w_sharding)
+  else:
+    dw = _mm(qx, qg, (m_axis, m_axis), sx * sg, cfg.w_dtype, cfg.native, fast, cfg.w_sharding)
   new_meta = Fp8DotMeta(new_in, new_k, scaling.update_meta(og_meta, ag, r, r.bwd_format))
   new_meta = jax.tree.map(lambda a: _to_vma(a, cfg.meta_vma), new_meta)
   return dx, dw, scaling.combine_max(new_meta, meta_ct)
@@ -266,9 +314,18 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
     log_once(f"fp8jax: FP8 GEMMs emulated (same quantized math in f32): {reason}")
   x, w = _agree_on_vma(x, w, amax_axes)
   meta_vma = frozenset().union(*(_vma(a) for a in jax.tree.leaves(meta)))
+  fused = False
+  if recipe.fused_cast_transpose:
+    g_shape = (b, m, n) if batched else (m, n)
+    why = _fused_reason(x.shape, x.dtype, g_shape, out_dtype, recipe, reason is None)
+    if why is None and (_vma(x) or meta_vma):
+      why = "inside shard_map (the kernel is not checked there yet)"
+    if why:
+      log_once(f"fp8jax: fused cast+transpose kernel not used, XLA casts instead: {why}")
+    fused = why is None
   cfg = _Config(recipe, np.dtype(out_dtype).type, reason is None, tuple(amax_axes),
                 np.dtype(lhs.dtype).type, np.dtype(rhs.dtype).type, meta_vma,
-                *_explicit_shardings(x, w))
+                *_explicit_shardings(x, w), fused=fused)
   y, meta_out = _fp8_matmul(x, w, meta, cfg)
   return y.reshape(out_shape), meta_out
 

@@ -57,6 +57,12 @@ class Recipe:
       reduced precision too (forward GEMMs always do). Off by default: input and weight
       gradients then accumulate in exact f32 (about 6% slower on an MLP block, see
       benchmarks/RESULTS.md).
+    fused_cast_transpose: cast activations and output gradients with one fused Pallas
+      (Triton) pass that also writes the transposed FP8 copy and the amax
+      (:mod:`fp8jax.kernels.cast_transpose`); the weight-gradient GEMM then reads both
+      operands K-major. GPU-only, native FP8 only; elsewhere (and for shapes the kernel does
+      not tile) the XLA path runs. Same FP8 values either way (up to XLA's excess-precision
+      fusion of a producer into its own cast).
   """
 
   fwd_format: Any = E4M3
@@ -67,6 +73,7 @@ class Recipe:
   scaling: str = "delayed"
   power_of_two_scales: bool = False
   bwd_fast_accumulation: bool = False
+  fused_cast_transpose: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "fwd_format", _as_fp8_format("fwd_format", self.fwd_format, _FWD_FORMATS))
@@ -82,7 +89,7 @@ class Recipe:
       raise ValueError(f"Recipe.margin={self.margin!r} is not allowed; use a finite number >= 0")
     if self.scaling not in SCALINGS:
       raise ValueError(f"Recipe.scaling={self.scaling!r} is not allowed; use one of {list(SCALINGS)}")
-    for flag in ("power_of_two_scales", "bwd_fast_accumulation"):
+    for flag in ("power_of_two_scales", "bwd_fast_accumulation", "fused_cast_transpose"):
       if not isinstance(getattr(self, flag), (bool, np.bool_)):
         raise ValueError(f"Recipe.{flag}={getattr(self, flag)!r} is not allowed; use True or False")
 

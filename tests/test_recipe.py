@@ -26,6 +26,7 @@ def test_defaults_and_format_names():
     ("scaling", "dynamic", "'delayed', 'current'"),
     ("power_of_two_scales", "yes", "True or False"),
     ("bwd_fast_accumulation", 1, "True or False"),
+    ("fused_cast_transpose", "true", "True or False"),
 ])
 def test_invalid_values_name_field_and_allowed(field, value, allowed):
   with pytest.raises(ValueError) as e:

@@ -1,0 +1,146 @@
+"""Fused FP8 cast + transpose + amax: one pass over x instead of three (TransformerEngine's
+cast_transpose, as a Pallas kernel on the Triton backend).
+
+`cast_transpose_amax(x, scale, fmt)` returns, for x[B?, M, K] (bf16 / f16 / f32):
+  q[B?, M, K]   = scaling.quantize(x, scale, fmt)   (bit-identical: same f32 math and clipping)
+  q_t[B?, K, M] = q transposed over its last two axes (the K-major copy cuBLASLt's FP8 GEMMs
+                  need for the weight gradient)
+  amax f32[]    = scaling.compute_amax(x)           (max |x|; NaN if any element is NaN)
+Each (block_m x block_k) tile is loaded once; its f32 max |x| goes to a small [B, M/bm, K/bk]
+array that jnp.max reduces outside the kernel.
+
+The kernel runs on GPUs (Triton lowering; FP8 stores need sm_89+); `interpret=True` runs it
+through Pallas' interpreter anywhere (tests). :func:`cast_transpose` dispatches: kernel when
+:func:`kernel_reason` is None, else :func:`cast_transpose_reference` (plain XLA).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fp8jax import scaling
+
+BLOCK_M = 64  # rows of x per program (columns of q_t); 64x128 tiles, 4 warps: fastest on an H200
+BLOCK_K = 128  # columns of x per program
+NUM_WARPS = 4
+_INPUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+_FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+_INTERPRET_ANYWHERE = False
+
+
+@contextlib.contextmanager
+def interpret_anywhere(on: bool = True):
+  """While active (at trace time), :func:`cast_transpose` uses the kernel on any backend, run
+  through Pallas' interpreter off GPUs: lets CPU tests exercise the fused path end to end."""
+  global _INTERPRET_ANYWHERE
+  prev, _INTERPRET_ANYWHERE = _INTERPRET_ANYWHERE, on
+  try:
+    yield
+  finally:
+    _INTERPRET_ANYWHERE = prev
+
+
+def interpreting_anywhere() -> bool:
+  """True inside :func:`interpret_anywhere`."""
+  return _INTERPRET_ANYWHERE
+
+
+def cast_transpose_reference(x: jax.Array, scale: jax.Array, fmt):
+  """(q, q_t, amax) computed by plain XLA ops: scaling.quantize, a transpose of its result
+  (XLA may fuse it into a second cast) and scaling.compute_amax."""
+  q = scaling.quantize(x, scale, fmt)
+  return q, jnp.swapaxes(q, -1, -2), scaling.compute_amax(x)
+
+
+def _kernel(inv_ref, x_ref, q_ref, qt_ref, amax_ref, *, bound: float):
+  inv = inv_ref[...]  # f32[]: 1 / scale, computed by XLA exactly as scaling.quantize does
+  x = x_ref[...].astype(jnp.float32)  # [bm, bk]
+  y = x * inv
+  # Triton lowers min/max to minnum/maxnum (NaN dropped): keep NaN explicitly, as XLA does
+  # (NaN payload and sign bits may differ from XLA's: compare NaN positions, not bits).
+  c = jnp.where(jnp.isnan(y), jnp.float32(jnp.nan), jnp.minimum(jnp.maximum(y, -bound), bound))
+  q_ref[...] = c.astype(q_ref.dtype)
+  qt_ref[...] = c.T.astype(qt_ref.dtype)  # transpose in f32, then cast (no 8-bit shuffles)
+  a = jnp.abs(x)
+  has_nan = jnp.max(jnp.where(jnp.isnan(a), 1.0, 0.0))
+  amax_ref[...] = jnp.where(has_nan > 0, jnp.float32(jnp.nan), jnp.max(a))
+
+
+def _check(x, fmt):
+  if x.ndim not in (2, 3):
+    raise ValueError(f"cast_transpose_amax: x must be [M, K] or [B, M, K], got shape {x.shape}")
+  if np.dtype(x.dtype) not in [np.dtype(d) for d in _INPUT_DTYPES]:
+    raise TypeError(f"cast_transpose_amax: x.dtype={x.dtype} is not allowed; use bfloat16, "
+                    "float16 or float32")
+  if np.dtype(fmt) not in [np.dtype(d) for d in _FP8_DTYPES]:
+    raise TypeError(f"cast_transpose_amax: dtype={np.dtype(fmt).name} is not allowed; use "
+                    "float8_e4m3fn or float8_e5m2")
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "interpret", "block_m", "block_k",
+                                             "num_warps", "num_stages"))
+def cast_transpose_amax(x: jax.Array, scale: jax.Array, fmt, *, interpret: bool = False,
+                        block_m: int = BLOCK_M, block_k: int = BLOCK_K,
+                        num_warps: int = NUM_WARPS, num_stages: int | None = None):
+  """The Pallas kernel: x[B?, M, K], scale f32[] -> (q[B?, M, K], q_t[B?, K, M], amax f32[]).
+
+  M must be a multiple of `block_m` and K of `block_k` (see :func:`kernel_reason`).
+  """
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plt
+
+  _check(x, fmt)
+  fmt = np.dtype(fmt).type
+  x3 = x if x.ndim == 3 else x[None]
+  b, m, k = x3.shape
+  if m % block_m or k % block_k:
+    raise ValueError(f"cast_transpose_amax: (M, K)=({m}, {k}) is not a multiple of the block "
+                     f"({block_m}, {block_k})")
+  gm, gk = m // block_m, k // block_k
+  inv = (1.0 / jnp.asarray(scale, jnp.float32)).reshape(1)  # as scaling.quantize computes it
+  q, qt, partial = pl.pallas_call(
+      functools.partial(_kernel, bound=scaling.fp8_max(fmt)),
+      out_shape=(jax.ShapeDtypeStruct((b, m, k), fmt), jax.ShapeDtypeStruct((b, k, m), fmt),
+                 jax.ShapeDtypeStruct((b, gm, gk), jnp.float32)),
+      grid=(b, gm, gk),
+      in_specs=[pl.BlockSpec((None,), lambda i, j, l: (0,)),
+                pl.BlockSpec((None, block_m, block_k), lambda i, j, l: (i, j, l))],
+      out_specs=(pl.BlockSpec((None, block_m, block_k), lambda i, j, l: (i, j, l)),
+                 pl.BlockSpec((None, block_k, block_m), lambda i, j, l: (i, l, j)),
+                 pl.BlockSpec((None, None, None), lambda i, j, l: (i, j, l))),
+      compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name="fp8_cast_transpose_amax",
+  )(inv, x3)
+  if x.ndim == 2:
+    q, qt = q[0], qt[0]
+  return q, qt, jnp.max(partial)
+
+
+def kernel_reason(shape, dtype, fmt, *, block_m: int = BLOCK_M,
+                  block_k: int = BLOCK_K) -> str | None:
+  """None when :func:`cast_transpose` runs the kernel for x of `shape`/`dtype`, else why not."""
+  if len(shape) not in (2, 3):
+    return f"shape {tuple(shape)} is not [M, K] or [B, M, K]"
+  if np.dtype(dtype) not in [np.dtype(d) for d in _INPUT_DTYPES]:
+    return f"input dtype {np.dtype(dtype).name} is not bf16/f16/f32"
+  if np.dtype(fmt) not in [np.dtype(d) for d in _FP8_DTYPES]:
+    return f"format {np.dtype(fmt).name} is not float8_e4m3fn/float8_e5m2"
+  m, k = shape[-2:]
+  if m % block_m or k % block_k:
+    return f"(M, K)=({m}, {k}) is not a multiple of the block ({block_m}, {block_k})"
+  if not _INTERPRET_ANYWHERE and jax.default_backend() != "gpu":
+    return f"backend {jax.default_backend()!r} is not gpu"
+  return None
+
+
+def cast_transpose(x: jax.Array, scale: jax.Array, fmt):
+  """(q, q_t, amax) of x[B?, M, K]: the kernel where it runs (:func:`kernel_reason`), else the
+  XLA reference; both give identical values."""
+  if kernel_reason(x.shape, x.dtype, fmt) is None:
+    return cast_transpose_amax(x, scale, fmt, interpret=jax.default_backend() != "gpu")
+  return cast_transpose_reference(x, scale, fmt)
