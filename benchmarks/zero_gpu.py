@@ -5,6 +5,12 @@
 
 GPU command (2 x H200): python benchmarks/zero_gpu.py --set data.max_bytes=16777216
 
+FP8 gradient communication (parallel.grad_comm) side by side: `--levels O0,O3,O3:fp8` runs
+O3 with grad_comm native ("O3") and fp8 ("O3:fp8", the shard_map step of
+fp8jax.train.balanced); a level is LEVEL[:GRAD_COMM]. 2 x H200, well under 3 minutes:
+
+  python benchmarks/zero_gpu.py --levels O0,O3,O3:fp8 --steps 5 --set data.max_bytes=16777216
+
 Each level runs in its own subprocess (so peak memory is that level's own): one warm-up
 step (compilation), then `--steps` timed steps (median, host clock around a blocking step).
 Per level: tokens/s over all devices, ratio to O0, peak memory on device 0 (GiB), state MiB
@@ -73,9 +79,12 @@ def collective_bytes(hlo: str) -> dict[str, int]:
       shapes = _SHAPE.findall(m.group(1))
       if not shapes:
         continue
-      dtype, dims = shapes[-1]  # the result (for async starts: the last tuple element)
-      key = f"{m.group(2)} {dtype}"
-      out[key] = out.get(key, 0) + _bytes(dtype, dims) * mult.get(comp, 1)
+      key = f"{m.group(2)} {shapes[-1][0]}"
+      if m.group(2) == "all-to-all" and not m.group(3):  # a tuple of n received pieces
+        size = sum(_bytes(dtype, dims) for dtype, dims in shapes)
+      else:  # the result (for async starts: the last tuple element)
+        size = _bytes(*shapes[-1])
+      out[key] = out.get(key, 0) + size * mult.get(comp, 1)
   return out
 
 
@@ -87,27 +96,33 @@ def run_level(config: str, level: str, overrides: list[str], steps: int, stage: 
   from fp8jax.config import load_config
   from fp8jax.train import metrics as metrics_lib
   from fp8jax.train.loop import Trainer
-  cfg = load_config(config, [f"train.opt_level={level}", f"parallel.zero_stage={stage}"] +
-                    list(overrides))
+  name = level
+  level, _, grad_comm = level.partition(":")
+  cfg = load_config(config, [f"train.opt_level={level}", f"parallel.zero_stage={stage}",
+                             f"parallel.grad_comm={grad_comm or 'native'}"] + list(overrides))
   trainer = Trainer(cfg, progress=False)
   batch = trainer.next_batch(0)
   plan = trainer.zero
-  jitted = plan.train_step(trainer.model.apply, trainer.tx, cfg.microbatches_at(0))
-  placed = plan.shard_batch(batch)
-  compiled = jitted.lower(trainer.state, placed).compile()
+  if trainer.grad_comm == "fp8":
+    jitted, place = trainer.fp8_step_parts(cfg.microbatches_at(0))
+    placed = place(batch)
+  else:
+    jitted = plan.train_step(trainer.model.apply, trainer.tx, cfg.microbatches_at(0))
+    placed = (plan.shard_batch(batch),)
+  compiled = jitted.lower(trainer.state, *placed).compile()
   comm = collective_bytes(compiled.as_text())
   state = trainer.state
   state_bytes = max(parallel.device_bytes((state.params, state.opt_state)).values())
-  state, m = compiled(state, placed)
+  state, m = compiled(state, *placed)
   jax.block_until_ready(m)
   times = []
   for _ in range(steps):
     t0 = time.perf_counter()
-    state, m = compiled(state, placed)
+    state, m = compiled(state, *placed)
     jax.block_until_ready(m)
     times.append(time.perf_counter() - t0)
   tokens = batch.shape[0] * (batch.shape[1] - 1)
-  return {"level": level, "ms": 1e3 * float(np.median(times)),
+  return {"level": name, "ms": 1e3 * float(np.median(times)),
           "tokens_per_s": tokens / float(np.median(times)), "loss": float(m["loss"]),
           "state_mib_per_device": state_bytes / 2**20, "collectives": comm,
           "devices": len(jax.devices()), "mesh": parallel.describe(plan.mesh),
@@ -143,12 +158,12 @@ def main():
     rows.append(json.loads(lines[-1][len("RESULT "):]))
   print(f"{rows[0]['mesh']}; ZeRO stage 3")
   base = rows[0]["tokens_per_s"]
-  print(f"\n{'level':6s} {'ms/step':>9s} {'tokens/s':>11s} {'ratio':>6s} {'peak GiB':>9s} "
+  print(f"\n{'level':8s} {'ms/step':>9s} {'tokens/s':>11s} {'ratio':>6s} {'peak GiB':>9s} "
         f"{'state MiB/dev':>13s} {'comm MiB/step':>13s} {'loss':>7s}")
   for r in rows:
     peak = f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else "n/a"
     comm = sum(r["collectives"].values()) / 2**20
-    print(f"{r['level']:6s} {r['ms']:9.1f} {r['tokens_per_s']:11,.0f} "
+    print(f"{r['level']:8s} {r['ms']:9.1f} {r['tokens_per_s']:11,.0f} "
           f"{r['tokens_per_s'] / base:6.2f} {peak:>9s} {r['state_mib_per_device']:13.1f} "
           f"{comm:13.1f} {r['loss']:7.3f}")
   print("\ncollective bytes per step and device (MiB), by op and dtype:")

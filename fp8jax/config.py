@@ -343,6 +343,10 @@ class ParallelSection(_Section):
   pipeline_parallel_size: int = _field(1, _ge(1))
   device_map: dict | str | None = None  # kind -> throughput / profile: balanced microbatches
   fp8_capability: str = _field("per_kind", _one_of("per_kind", "uniform"))
+  # Gradient reduction between data-parallel ranks: "fp8" (FP8 reduce-scatter in a shard_map
+  # step, fp8jax.train.balanced), "native" (XLA reduces in the gradients' dtype), "auto" (=
+  # native for now; see Config.grad_comm).
+  grad_comm: str = _field("auto", _one_of("auto", "fp8", "native"))
 
   def _check(self):
     from fp8jax.parallel import device_map
@@ -425,6 +429,7 @@ class Config(_Section):
     self._check_data_fits_model()
     self._check_offload()
     self._check_tensor_parallel()
+    self._check_grad_comm()
     if self.train.batch_ramp is not None:
       self._check_ramp()
     _refuse_unbuilt(self)
@@ -453,6 +458,31 @@ class Config(_Section):
     if self.parallel.device_map is not None:
       _fail(f"parallel.tensor_parallel_size={tp} with parallel.device_map is not supported yet "
             "(the balanced step replicates the weights in each group); drop one of them")
+
+  def grad_comm(self) -> str:
+    """How the run reduces gradients: "fp8" or "native". "auto" is "native": the FP8 step
+    enters ``shard_map`` with replicated weights, so at ZeRO-3 it would replace the FP8
+    weight all-gather by an f32 one, and its speed on GPUs is not measured yet
+    (benchmarks/zero_gpu.py --grad-comm)."""
+    return "fp8" if self.parallel.grad_comm == "fp8" else "native"
+
+  def _check_grad_comm(self):
+    p = self.parallel
+    if p.grad_comm != "fp8":
+      return
+    why = None
+    if self.train.opt_level == "O0":
+      why = (f"train.opt_level=O0 (the BF16 baseline communicates in its own dtype); use "
+             f"level O1, O2 or O3")
+    elif p.tensor_parallel_size != 1:
+      why = (f"parallel.tensor_parallel_size={p.tensor_parallel_size} (the FP8 gradient step "
+             f"replicates the weights in each data-parallel group); use 1")
+    elif p.offload_optimizer:
+      why = ("parallel.offload_optimizer=True (the FP8 gradient step keeps the optimizer "
+             "state on the devices); use false")
+    if why is not None:
+      _fail(f"parallel.grad_comm='fp8' is not supported with {why}, or "
+            f"parallel.grad_comm 'native' / 'auto'")
 
   def _check_offload(self):
     if self.parallel.offload_optimizer and self.parallel.device_map is not None:

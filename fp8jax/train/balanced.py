@@ -18,6 +18,21 @@ contributes nothing). The optimizer update follows as in :func:`fp8jax.train.ste
 
 Parameters enter the loop replicated (under ZeRO-2/3 XLA gathers them once per step at the
 ``shard_map`` boundary; stage 3 then holds full weights for the step, like stage 2).
+
+Gradient communication (`grad_comm`): "native" adds the groups' sums with one f32 ``psum``.
+"fp8" sends them in FP8 (``parallel.grad_comm=fp8``): every parameter gradient with a
+dimension divisible by the number of groups and at least 2 dimensions goes through ONE
+:func:`fp8jax.parallel.collectives.fp8_reduce_scatter_tree` (E4M3, one scale per tensor shared
+by all groups: current scaling, i.e. this step's amax agreed with one ``pmax`` of f32[L]; no
+state to carry or checkpoint), scattered along the dimension ZeRO shards
+(:func:`fp8jax.parallel.zero.shard_spec`), so the result leaves ``shard_map`` already in the
+ZeRO layout. Each group's sum is rounded to FP8 once and the sum of the received pieces is
+taken in f32, so the error is one E4M3 rounding per group's sum (relative <= 2**-4 of
+sum_i |g_i| elementwise) whatever the group count. Where a rank needs the full sum (stage 0,
+and the replicated parameter update of stage 1) XLA all-gathers the reduced f32 chunks: a
+second FP8 rounding there would double the error for a quarter of the gather bytes. Leaves
+with fewer than 2 dimensions (norm scales, biases) or no divisible dimension are added with
+an f32 ``psum`` (a negligible share of the bytes).
 """
 from __future__ import annotations
 
@@ -33,6 +48,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fp8jax.accumulate import accumulate_gradients
+from fp8jax.parallel.collectives import fp8_reduce_scatter_tree
 from fp8jax.scaling import combine_max
 from fp8jax.train.state import TrainState
 from fp8jax.train.step import apply_gradients, cross_entropy
@@ -78,12 +94,71 @@ def layout_batch(batch: np.ndarray, counts: Sequence[int], microbatch_size: int)
   return out
 
 
+def layout_split(batch: np.ndarray, microbatches: int, groups: int) -> np.ndarray:
+  """int32[B, T+1] -> int32[G, microbatches, B / (microbatches G), T+1]: every group runs all
+  `microbatches` microbatches, each on its 1/G of the microbatch's sequences (the split of the
+  uniform ZeRO step, ``make_train_step`` under a batch sharded over the groups)."""
+  b = batch.shape[0]
+  if b % (microbatches * groups):
+    raise ValueError(f"batch of {b} sequences does not split into {microbatches} microbatches "
+                     f"x {groups} data-parallel groups")
+  parts = batch.reshape(microbatches, groups, b // (microbatches * groups), *batch.shape[1:])
+  return np.ascontiguousarray(np.swapaxes(parts, 0, 1))
+
+
 def _mean_loss(apply_fn: Callable, variables, part):
   """Mean next-token loss (f32 nats) of part int32[m, T+1]."""
   return cross_entropy(apply_fn(variables, part[:, :-1]), part[:, 1:])
 
 
-def _local_grads(apply_fn: Callable, axes: tuple[str, ...], variables, batch, counts, repeats):
+GRAD_COMM = ("native", "fp8")
+
+
+def fp8_scatter_dim(shape, n: int) -> int | None:
+  """The dimension a parameter gradient of `shape` is FP8-reduce-scattered along over `n`
+  groups (ZeRO's choice: the largest divisible one, the first on ties), or None for an f32
+  ``psum`` (fewer than 2 dimensions, or none divisible by `n`)."""
+  dims = [i for i, d in enumerate(shape) if d > 0 and d % n == 0]
+  if len(shape) < 2 or n < 2 or not dims:
+    return None
+  return max(dims, key=lambda i: (shape[i], -i))
+
+
+def _grad_specs(params, axes: tuple[str, ...], n: int):
+  """out_specs of the reduced parameter gradients (see :func:`fp8_scatter_dim`)."""
+  def one(x):
+    dim = fp8_scatter_dim(np.shape(x), n)
+    if dim is None:
+      return P()
+    spec = [None] * np.ndim(x)
+    spec[dim] = axes
+    return P(*spec)
+  return jax.tree.map(one, params)
+
+
+def _fp8_reduce(params, axes: tuple[str, ...]):
+  """Sums over the groups of the parameter gradients `params` (f32 local sums): FP8
+  reduce-scatter to this group's chunk where :func:`fp8_scatter_dim` allows, f32 psum else."""
+  leaves, treedef = jax.tree.flatten(params)
+  n = int(np.prod([lax.axis_size(a) for a in axes]))
+  dims = [fp8_scatter_dim(x.shape, n) for x in leaves]
+  fp8_idx = [i for i, d in enumerate(dims) if d is not None]
+  out = list(leaves)
+  if fp8_idx:  # one all_to_all (and one pmax of f32[L]) for all of them
+    moved = [jnp.moveaxis(leaves[i].astype(jnp.float32), dims[i], 0) for i in fp8_idx]
+    chunks = fp8_reduce_scatter_tree(moved, axes, scatter_dimension=0)
+    for i, c in zip(fp8_idx, chunks):
+      out[i] = jnp.moveaxis(c, 0, dims[i]).astype(leaves[i].dtype)
+  rest = [i for i, d in enumerate(dims) if d is None]
+  if rest:
+    summed = lax.psum([leaves[i] for i in rest], axes)
+    for i, x in zip(rest, summed):
+      out[i] = x
+  return jax.tree.unflatten(treedef, out)
+
+
+def _local_grads(apply_fn: Callable, axes: tuple[str, ...], grad_comm: str, variables, batch,
+                 counts, repeats):
   """One group's loop over its microbatches, then the one cross-group reduction."""
   batch, count, repeat = batch[0], counts[0], repeats[0]
   grad_fn = jax.value_and_grad(functools.partial(_mean_loss, apply_fn))
@@ -111,7 +186,10 @@ def _local_grads(apply_fn: Callable, axes: tuple[str, ...], variables, batch, co
   # Every microbatch holds m x T target tokens, so weighting each microbatch's mean-loss
   # gradient by its tokens is dividing the sum by the step's microbatch count.
   total, loss_sum = lax.psum((count.astype(jnp.float32), loss_sum), axes)
-  params = lax.psum(acc["params"], axes)
+  if grad_comm == "fp8":
+    params = _fp8_reduce(acc["params"], axes)
+  else:
+    params = lax.psum(acc["params"], axes)
   params = jax.tree.map(lambda g: g / total.astype(g.dtype), params)
   grads = {**acc, "params": params}
   rest = {k: v for k, v in acc.items() if k != "params"}
@@ -125,28 +203,39 @@ def _local_grads(apply_fn: Callable, axes: tuple[str, ...], variables, batch, co
 
 
 def make_balanced_train_step(apply_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh,
-                             axes: Sequence[str] = ("data", "fsdp")):
+                             axes: Sequence[str] = ("data", "fsdp"), *,
+                             grad_comm: str = "native"):
   """A jittable ``step(state, batch, counts, repeats=None) -> (state, metrics)``.
 
   Args:
     apply_fn: ``apply_fn(variables, tokens[m, T]) -> logits[m, T, V]``.
     tx: the optimizer (with clipping), as for ``make_train_step``.
     mesh: the device mesh; groups are the devices along `axes` (other axes replicate).
+    grad_comm: "native" (f32 psum of the groups' gradient sums) or "fp8" (FP8 reduce-scatter
+      to the ZeRO layout, module docstring).
   The step's arguments: batch int32[G, n, m, T+1] and counts int32[G] (module docstring),
   sharded over the groups; `repeats` int32[G] (optional) adds that many extra forward+backward
   passes per microbatch on each group (a slowdown hook: same program, different data).
   Metrics: loss (mean over the step's tokens), grad_norm (before clipping).
   """
+  if grad_comm not in GRAD_COMM:
+    raise ValueError(f"grad_comm={grad_comm!r} is not allowed; use one of {list(GRAD_COMM)}")
   axes = group_axes(mesh, axes)
   spec = P(axes)
+  n = group_count(mesh, axes)
 
   def step(state: TrainState, batch, counts, repeats=None):
     if repeats is None:
       repeats = jnp.zeros_like(counts)
-    local = functools.partial(_local_grads, apply_fn, axes)
+    variables = state.variables()
+    grad_spec = P()
+    if grad_comm == "fp8":
+      grad_spec = {k: P() for k in variables}
+      grad_spec["params"] = _grad_specs(variables["params"], axes, n)
+    local = functools.partial(_local_grads, apply_fn, axes, grad_comm)
     grads, loss = jax.shard_map(local, mesh=mesh, in_specs=(P(), spec, spec, spec),
-                                out_specs=(P(), P()), check_vma=False)(
-        state.variables(), batch, counts, repeats)
+                                out_specs=(grad_spec, P()), check_vma=False)(
+        variables, batch, counts, repeats)
     return apply_gradients(state, tx, grads, loss)
 
   return step

@@ -21,6 +21,7 @@ from fp8jax.config import Config, config_to_dict, save_config
 from fp8jax.dot import native_fp8_reason
 from fp8jax.models.gpt import GPT, ModelConfig, flops_per_token, param_count
 from fp8jax.parallel import balance, capability
+from fp8jax.parallel.mesh import describe as parallel_describe
 from fp8jax.parallel import device_map as device_map_lib
 from fp8jax.train import balanced, guards
 from fp8jax.train import metrics as metrics_lib
@@ -54,7 +55,12 @@ class Trainer:
                              level=self.level)
     self.capability = capability.agree(config.parallel.fp8_capability)
     self.state = self._init_state()
+    self.grad_comm = config.grad_comm()  # "fp8" or "native"
     self.zero = self._zero_plan()  # None: single device, as before
+    if self.grad_comm == "fp8" and balanced.group_count(self.zero.mesh) < 2:
+      raise ValueError("parallel.grad_comm='fp8' needs at least 2 data-parallel ranks; this "
+                       f"run has {parallel_describe(self.zero.mesh)}; use parallel.grad_comm "
+                       "'native' / 'auto' or more devices")
     if self.zero is not None:
       self.state = self.zero.shard_state(self.state)
     self.group_seconds = self._group_seconds()  # None: uniform split (no device_map)
@@ -81,7 +87,7 @@ class Trainer:
     stage = self.config.zero_stage()
     p = self.config.parallel
     if stage == 0 and jax.process_count() == 1 and p.device_map is None and \
-        p.tensor_parallel_size == 1:
+        p.tensor_parallel_size == 1 and self.grad_comm != "fp8":
       return None
     from fp8jax import parallel
     mesh = parallel.mesh_from_config(self.config.parallel)
@@ -108,7 +114,8 @@ class Trainer:
     mesh, m = self.zero.mesh, self.config.train.microbatch_size
     sharding = balanced.batch_sharding(mesh)
     step = jax.jit(guards.skip_nonfinite_steps(
-        balanced.make_balanced_train_step(self.model.apply, self.tx, mesh)),
+        balanced.make_balanced_train_step(self.model.apply, self.tx, mesh,
+                                          grad_comm=self.grad_comm)),
         in_shardings=(self.zero.state, sharding, sharding),
         out_shardings=(self.zero.state, jax.sharding.NamedSharding(mesh, P())),
         donate_argnums=0)
@@ -116,6 +123,33 @@ class Trainer:
     return lambda state, batch: step(
         state, balanced.put_global(balanced.layout_batch(batch, counts, m), sharding),
         counts_array)
+
+  def _fp8_step_fn(self, microbatches: int):
+    step, place = self.fp8_step_parts(microbatches)
+    return lambda state, batch: step(state, *place(batch))
+
+  def fp8_step_parts(self, microbatches: int):
+    """(jitted ``step(state, batch, counts)``, ``place(batch) -> (batch, counts)``) of the
+    uniform step with FP8 gradient communication: the balanced (shard_map) step with
+    every group running all `microbatches` microbatches on its 1/G of each, i.e. the same
+    split of the sequences over the devices as the native ZeRO step."""
+    mesh = self.zero.mesh
+    groups = balanced.group_count(mesh)
+    sharding = balanced.batch_sharding(mesh)
+    m = self.config.train.microbatch_size
+    if m % groups:
+      raise ValueError(f"parallel.grad_comm='fp8': a microbatch of {m} sequences "
+                       f"(train.batch_size / train.microbatches) does not split over the "
+                       f"{groups} data-parallel ranks; use a microbatch size that is a "
+                       f"multiple of {groups}")
+    step = jax.jit(guards.skip_nonfinite_steps(
+        balanced.make_balanced_train_step(self.model.apply, self.tx, mesh, grad_comm="fp8")),
+        in_shardings=(self.zero.state, sharding, sharding),
+        out_shardings=(self.zero.state, jax.sharding.NamedSharding(mesh, P())),
+        donate_argnums=0, compiler_options=self.zero.compiler_options or None)
+    counts = balanced.put_global(np.full((groups,), microbatches, np.int32), sharding)
+    return step, lambda batch: (balanced.put_global(
+        balanced.layout_split(batch, microbatches, groups), sharding), counts)
 
   def _put_replicated(self, batch) -> jax.Array:
     """`batch` (the same on every process) on every device of the mesh."""
@@ -132,6 +166,8 @@ class Trainer:
     """The jitted train step for `microbatches` microbatches (one compile per count)."""
     if microbatches not in self._steps and self.group_seconds is not None:
       self._steps[microbatches] = self._balanced_step_fn(microbatches)
+    if microbatches not in self._steps and self.grad_comm == "fp8":
+      self._steps[microbatches] = self._fp8_step_fn(microbatches)
     if microbatches not in self._steps and self.zero is not None:
       step = self.zero.train_step(self.model.apply, self.tx, microbatches,
                                   wrap=guards.skip_nonfinite_steps)
