@@ -61,8 +61,7 @@ from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from fp8jax.parallel.collectives import (CommScaling, fp8_reduce_scatter,  # noqa: E402
-                                         fp8_reduce_scatter_auto, fp8_reduce_scatter_tree,
-                                         init_comm_scaling)
+                                         fp8_reduce_scatter_auto, fp8_reduce_scatter_tree)
 
 AX = "d"
 E4M3 = jnp.float8_e4m3fn

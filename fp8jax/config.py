@@ -472,8 +472,8 @@ class Config(_Section):
       return
     why = None
     if self.train.opt_level == "O0":
-      why = (f"train.opt_level=O0 (the BF16 baseline communicates in its own dtype); use "
-             f"level O1, O2 or O3")
+      why = ("train.opt_level=O0 (the BF16 baseline communicates in its own dtype); use "
+             "level O1, O2 or O3")
     elif p.tensor_parallel_size != 1:
       why = (f"parallel.tensor_parallel_size={p.tensor_parallel_size} (the FP8 gradient step "
              f"replicates the weights in each data-parallel group); use 1")

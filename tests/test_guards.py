@@ -1,6 +1,5 @@
 """fp8jax.train.guards: non-finite skip and reload, FP8 divergence fallback, heartbeat."""
 import json
-import subprocess
 import sys
 import textwrap
 import time
