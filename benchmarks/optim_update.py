@@ -10,6 +10,8 @@ warm-up. Modes:
   fp8jax O2    fp8jax.optim.adamw + FP16 master weights (apply_master_updates, stochastic
                rounding) + FP8 E4M3 gradients with a per-tensor scale (as FP8 gradient
                communication delivers them)
+  O2 fused     the same step through fp8jax.optim.fused.adamw_master_step (one Pallas kernel
+               per tensor on GPUs)
 
   python benchmarks/optim_update.py [--params N] [--tensors T] [--iters K] [--modes ...]
   python benchmarks/optim_update.py --params 1048576 --iters 5     # a quick CPU run
@@ -31,7 +33,7 @@ import optax
 
 import fp8jax.optim as fo
 
-MODES = ("optax", "fp8jax", "fp8jax O2", "O2 payload-amax", "O2 nearest")
+MODES = ("optax", "fp8jax", "fp8jax O2", "O2 fused", "O2 payload-amax", "O2 nearest")
 
 
 def _shapes(n_params: int, n_tensors: int):
@@ -50,7 +52,16 @@ def _tree(shapes, key, scale):
 
 def _step_fn(mode: str, tx):
   """The jitted step (params/master, opt_state, grads) -> (params/master, opt_state)."""
-  if mode.startswith("O2 "):  # experiments: master scale from the payload's amax; RTN
+  if mode.startswith("O2 fused"):  # fp8jax.optim.fused: one Pallas kernel per tensor on GPUs
+    from fp8jax.kernels import adam_update
+    from fp8jax.optim.fused import adamw_master_step
+    if mode != "O2 fused":  # "O2 fused BLOCKxWARPS": another tiling of the kernel
+      block, warps = mode.split()[-1].split("x")
+      adam_update.BLOCK, adam_update.NUM_WARPS = int(block), int(warps)
+
+    def step(master, state, grads):
+      return adamw_master_step(grads, state, master, learning_rate=1e-4, weight_decay=0.1)
+  elif mode.startswith("O2 "):  # experiments: master scale from the payload's amax; RTN
     rounding = "nearest" if mode == "O2 nearest" else "stochastic"
 
     def step(master, state, grads):
@@ -126,7 +137,8 @@ def main(argv=None):
   ap.add_argument("--params", type=int, default=2 ** 30, help="total parameters (default 2^30)")
   ap.add_argument("--tensors", type=int, default=16, help="number of parameter tensors")
   ap.add_argument("--iters", type=int, default=20, help="timed steps per mode (median)")
-  ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+  ap.add_argument("--modes", nargs="+", default=list(MODES),
+                  help=f"any of {list(MODES)}, or 'O2 fused BLOCKxWARPS' (kernel tiling)")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--dump-hlo", default=None, metavar="PREFIX",
                   help="write each mode's compiled step to PREFIX.<mode>.hlo.txt")

@@ -1,0 +1,136 @@
+"""The O2 optimizer step in one pass per tensor: ``fp8jax.optim.adamw`` + FP16 master weights.
+
+:func:`adamw_master_step` computes what ::
+
+  updates, state = fp8jax.optim.adamw(lr, b1, b2, eps, weight_decay=wd, mask=mask).update(
+      grads, state, fp8jax.optim.master_params(master))
+  master = fp8jax.optim.apply_master_updates(master, updates, finite=...)
+
+computes (same state trees, same scales, same stochastic-rounding stream), but each tensor's
+gradient, moments and master weight are read once and written once by a fused kernel
+(:mod:`fp8jax.kernels.adam_update`) on GPUs; elsewhere, and for tensors whose size is not a
+multiple of the kernel's block, the same per-element function runs through XLA. Per-tensor
+scalars (scales, bias corrections, learning rate) are computed first from the stacked amaxes,
+as the composed path does. Unsharded (single-device or replicated) arrays only: a Pallas call
+does not partition under ``jax.jit``.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fp8jax.kernels import adam_update as K
+from fp8jax.optim import moments
+from fp8jax.optim.master import MasterWeights, payload_max, write_scales
+from fp8jax.optim.rounding import hash32
+from fp8jax.optim.scaled import ScaledArray, amaxes, is_scaled
+from fp8jax.optim.transforms import ScaleByAdamState
+
+
+def _inv(s):
+  return jnp.where(s > 0, 1.0 / s, 0.0)
+
+
+def _use_kernel(n: int, interpret) -> bool:
+  return n % K.BLOCK == 0 and (interpret or jax.default_backend() == "gpu")
+
+
+def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1: float = 0.9,
+                      b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
+                      mask=None, finite=None, interpret: bool = False):
+  """``(new_master, new_state)`` of one AdamW step on FP16 master weights (see module doc).
+
+  Args:
+    grads: tree like the params: f32 arrays or ScaledArray (FP8 payload + scale).
+    state: the state of ``fp8jax.optim.adamw(learning_rate, b1, b2, eps, ...)`` (a tuple
+      ``(ScaleByAdamState, decay state, learning-rate state)``).
+    master: FP16 master weights (:func:`fp8jax.optim.init_master`), every leaf scaled.
+    learning_rate, b1, b2, eps, weight_decay, mask: as given to ``fp8jax.optim.adamw``.
+    finite: bool[] passed to ``apply_master_updates`` as `finite` (default: the gradients'
+      finiteness, which is what the optimizer itself checks).
+    interpret: run the kernel through Pallas' interpreter (tests on CPU).
+  """
+  if not (isinstance(state, tuple) and len(state) == 3
+          and isinstance(state[0], ScaleByAdamState)):
+    raise TypeError("adamw_master_step: state must be fp8jax.optim.adamw's state "
+                    f"(ScaleByAdamState, decay state, learning-rate state), got {type(state).__name__}")
+  adam_state, decay_state, lr_state = state
+  g_leaves, treedef = jax.tree.flatten(grads, is_leaf=is_scaled)
+  w_leaves = treedef.flatten_up_to(master.params)
+  mus, nus = treedef.flatten_up_to(adam_state.mu), treedef.flatten_up_to(adam_state.nu)
+  for g, w in zip(g_leaves, w_leaves):
+    if not is_scaled(w):
+      raise ValueError("adamw_master_step: every master leaf must be a ScaledArray")
+    if not is_scaled(g) and np.dtype(g.dtype) != np.dtype(np.float32):
+      raise ValueError(f"adamw_master_step: plain gradients must be float32, got {g.dtype}")
+  decayed = [True] * len(g_leaves)
+  if mask is not None:
+    params_like = jax.tree.unflatten(treedef, [w.data for w in w_leaves])
+    m = mask(params_like) if callable(mask) else mask
+    decayed = [bool(x) for x in treedef.flatten_up_to(m)]
+
+  amax_g = amaxes(g_leaves)
+  ok = jnp.all(jnp.isfinite(amax_g))
+  ok_w = ok if finite is None else jnp.asarray(finite, jnp.bool_)
+  mu_old = jnp.stack([mu.scale for mu in mus]) if mus else jnp.zeros((0,))
+  nu_old = jnp.stack([nu.scale for nu in nus]) if nus else jnp.zeros((0,))
+  mu_dtype = mus[0].data.dtype if mus else jnp.float8_e4m3fn
+  nu_dtype = nus[0].data.dtype if nus else jnp.float16
+  mu_scale, nu_scale = moments.next_scales(amaxes(mus), nu_old, amax_g, b1, b2, mu_dtype,
+                                           nu_dtype)
+  mu_scale, nu_scale = jnp.where(ok, mu_scale, mu_old), jnp.where(ok, nu_scale, nu_old)
+  count = optax.safe_int32_increment(adam_state.count)
+  bc1 = 1.0 - jnp.asarray(b1, jnp.float32) ** count.astype(jnp.float32)
+  bc2 = 1.0 - jnp.asarray(b2, jnp.float32) ** count.astype(jnp.float32)
+  if callable(learning_rate):
+    step_size = -learning_rate(lr_state.count)
+    new_lr_state = lr_state._replace(count=optax.safe_int32_increment(lr_state.count))
+  else:
+    step_size, new_lr_state = -learning_rate, lr_state
+  w_old_amax = master.amax if master.amax is not None else \
+      amaxes([w for w in w_leaves])
+  seed = hash32(master.count.astype(jnp.uint32))
+
+  new_mu, new_nu, new_w, new_amax, limits = [], [], [], [], []
+  for i, (g, mu, nu, w) in enumerate(zip(g_leaves, mus, nus, w_leaves)):
+    w_scale = write_scales(w_old_amax[i], w.data.dtype)
+    limits.append(w_scale * payload_max(w.data.dtype))
+    s = jnp.stack([jnp.asarray(v, jnp.float32) for v in (
+        g.scale if is_scaled(g) else 1.0, mu.scale, nu.scale, _inv(mu_scale[i]), nu_scale[i],
+        _inv(nu_scale[i]), bc1, nu_scale[i] / jnp.sqrt(bc2), eps,
+        weight_decay if decayed[i] else 0.0, step_size, ok.astype(jnp.float32), w.scale,
+        w_scale, _inv(w_scale), ok_w.astype(jnp.float32))])
+    key = hash32((seed + jnp.uint32(i)) ^ jnp.uint32(0x9E3779B9))
+    gd = g.data if is_scaled(g) else g
+    shape, n = gd.shape, math.prod(gd.shape)
+    if _use_kernel(n, interpret):
+      m2, v2, w2, blocks = K.adam_master_update(
+          gd.reshape(-1), mu.data.reshape(-1), nu.data.reshape(-1), w.data.reshape(-1), s,
+          key.reshape(1), b1=b1, b2=b2, interpret=interpret, block=K.BLOCK,
+          num_warps=K.NUM_WARPS)
+      amax = jnp.max(blocks, initial=0.0)
+    else:
+      index = jnp.arange(n, dtype=jnp.uint32).reshape(shape)
+      m2, v2, w2, mag = K.update_reference(gd, mu.data, nu.data, w.data, s, key, index, b1, b2)
+      amax = jnp.max(mag, initial=0.0)
+    new_mu.append(ScaledArray(m2.reshape(shape), mu_scale[i]))
+    new_nu.append(ScaledArray(v2.reshape(shape), nu_scale[i]))
+    new_w.append(ScaledArray(w2.reshape(shape), jnp.where(ok_w, w_scale, w.scale)))
+    new_amax.append(amax)
+
+  amax_w = jnp.stack(new_amax) if new_amax else w_old_amax
+  clipped = ok_w & jnp.any(amax_w > jnp.stack(limits)) if limits else jnp.bool_(False)
+  previous = jnp.zeros((), jnp.int32) if master.clipped is None else master.clipped
+  unflat = lambda xs: jax.tree.unflatten(treedef, xs)
+  new_adam = ScaleByAdamState(jnp.where(ok, count, adam_state.count), unflat(new_mu),
+                              unflat(new_nu))
+  new_state = (new_adam, decay_state,
+               jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_lr_state, lr_state))
+  new_master = MasterWeights(unflat(new_w), master.count + ok_w.astype(jnp.int32),
+                             jnp.where(ok_w, amax_w, w_old_amax),
+                             previous + clipped.astype(jnp.int32))
+  return new_master, new_state
