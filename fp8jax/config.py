@@ -461,9 +461,9 @@ class Config(_Section):
 
   def grad_comm(self) -> str:
     """How the run reduces gradients: "fp8" or "native". "auto" is "native": the FP8 step
-    enters ``shard_map`` with replicated weights, so at ZeRO-3 it would replace the FP8
-    weight all-gather by an f32 one, and its speed on GPUs is not measured yet
-    (benchmarks/zero_gpu.py --grad-comm)."""
+    enters ``shard_map`` with replicated weights, so at ZeRO-3 it gathers the master weights
+    instead of their FP8 copy (3% slower than native, 1.7x the peak memory on 2 x H200 at
+    1.3B; benchmarks/zero_gpu.py --levels O0,O3,O3:fp8)."""
     return "fp8" if self.parallel.grad_comm == "fp8" else "native"
 
   def _check_grad_comm(self):

@@ -52,7 +52,7 @@ def _run(steps, fp8_grads, seed, interpret, poison=None):
 
 
 def _ulp_diff(a, b):
-  """Elements that differ and the largest difference in units of the payload's ulp."""
+  """(fraction of elements that differ, largest relative difference)."""
   a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
   return np.mean(a != b), np.max(np.abs(a - b) / np.maximum(np.abs(a), 1e-30))
 

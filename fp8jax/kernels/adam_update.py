@@ -4,8 +4,8 @@ XLA splits this update into ~9 kernels per tensor that re-read the moments; this
 (Triton backend) reads gradient, moments and master weight once and writes the three new
 payloads once (11 bytes per parameter with FP8 gradients), plus a per-block max |new weight|.
 
-`adam_master_update(g, mu, nu, w, scalars, key)` works on one tensor's payloads flattened to
-[N] (N a multiple of `BLOCK`). `scalars` is f32[NUM_SCALARS] (see `S_*` below), `key` u32[1]
+`adam_master_update(g, mu, nu, w, scalars, seed)` works on one tensor's payloads flattened to
+[N] (N a multiple of `BLOCK`). `scalars` is f32[NUM_SCALARS] (see `S_*` below), `seed` u32[1]
 seeds the stochastic rounding of the master weight (:mod:`fp8jax.optim.rounding`'s stream).
 Returns (mu', nu', w', amax_blocks f32[N / BLOCK]). The per-element math is
 :func:`update_reference`'s, which mirrors ``fp8jax.optim.adamw`` followed by
@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fp8jax.optim.rounding import index_bits, round_with_bits
+
 BLOCK = 2048
 NUM_WARPS = 8
 # Indices into the f32 scalar vector (per tensor).
@@ -27,18 +29,11 @@ NUM_WARPS = 8
 NUM_SCALARS = 16
 
 
-def _hash32(x):
-  x = x ^ (x >> 16)
-  x = x * jnp.uint32(0x7FEB352D)
-  x = x ^ (x >> 15)
-  x = x * jnp.uint32(0x846CA68B)
-  return x ^ (x >> 16)
-
-
-def update_reference(g, mu, nu, w, s, key, index, b1: float, b2: float):
+def update_reference(g, mu, nu, w, s, seed, index, b1: float, b2: float):
   """New (mu, nu, w payloads, |x| with NaN as inf) for elements at flat `index` (uint32).
 
-  `s`: indexable scalars (see S_*); `key`: uint32 stochastic-rounding key.
+  `s`: indexable scalars (see S_*); `seed`: uint32 seed of the master weight's stochastic
+  rounding (:func:`fp8jax.optim.rounding.index_bits`).
   """
   f32 = jnp.float32
   g = g.astype(f32) * s[S_G]
@@ -63,25 +58,20 @@ def update_reference(g, mu, nu, w, s, key, index, b1: float, b2: float):
   xw = p + upd
   fmax_w = float(jnp.finfo(w.dtype).max)
   yw = jnp.clip(xw * s[S_INV_W], -fmax_w, fmax_w)
-  drop = 23 - int(jnp.finfo(w.dtype).nmant)
-  bits = lax.bitcast_convert_type(yw, jnp.uint32)
-  noise = _hash32(index ^ key) >> jnp.uint32(32 - drop)
-  mask = jnp.uint32(((1 << 32) - 1) ^ ((1 << drop) - 1))
-  rounded = lax.bitcast_convert_type((bits + noise) & mask, f32)
-  new_w = jnp.where(jnp.isfinite(yw), rounded, yw).astype(w.dtype)
+  new_w = round_with_bits(yw, w.dtype, index_bits(index, seed))
   new_w = jnp.where(s[S_OK_W] > 0, new_w, w)
   mag = jnp.where(jnp.isnan(xw), jnp.inf, jnp.abs(xw))
   return new_mu, new_nu, new_w, mag
 
 
-def _kernel(g_ref, mu_ref, nu_ref, w_ref, s_ref, key_ref, mu_out, nu_out, w_out, amax_out, *,
+def _kernel(g_ref, mu_ref, nu_ref, w_ref, s_ref, seed_ref, mu_out, nu_out, w_out, amax_out, *,
             b1, b2, block):
   s = [s_ref[i] for i in range(NUM_SCALARS)]
   from jax.experimental import pallas as pl
   index = (pl.program_id(0).astype(jnp.uint32) * jnp.uint32(block)
            + lax.broadcasted_iota(jnp.uint32, (block,), 0))
   new_mu, new_nu, new_w, mag = update_reference(g_ref[...], mu_ref[...], nu_ref[...],
-                                                w_ref[...], s, key_ref[0], index, b1, b2)
+                                                w_ref[...], s, seed_ref[0], index, b1, b2)
   mu_out[...] = new_mu
   nu_out[...] = new_nu
   w_out[...] = new_w
@@ -89,7 +79,7 @@ def _kernel(g_ref, mu_ref, nu_ref, w_ref, s_ref, key_ref, mu_out, nu_out, w_out,
 
 
 @functools.partial(jax.jit, static_argnames=("b1", "b2", "interpret", "block", "num_warps"))
-def adam_master_update(g, mu, nu, w, scalars, key, *, b1: float, b2: float,
+def adam_master_update(g, mu, nu, w, scalars, seed, *, b1: float, b2: float,
                        interpret: bool = False, block: int = BLOCK, num_warps: int = NUM_WARPS):
   """The fused update of one tensor (see the module docstring); all payloads f[N]."""
   from jax.experimental import pallas as pl
@@ -110,4 +100,4 @@ def adam_master_update(g, mu, nu, w, scalars, key, *, b1: float, b2: float,
       out_specs=[vec, vec, vec, pl.BlockSpec((1,), lambda i: (i,))],
       out_shape=[jax.ShapeDtypeStruct((n,), mu.dtype), jax.ShapeDtypeStruct((n,), nu.dtype),
                  jax.ShapeDtypeStruct((n,), w.dtype), jax.ShapeDtypeStruct((grid,), jnp.float32)],
-      interpret=interpret, **params)(g, mu, nu, w, scalars, key)
+      interpret=interpret, **params)(g, mu, nu, w, scalars, seed)

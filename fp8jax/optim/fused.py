@@ -92,7 +92,7 @@ def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1:
   else:
     step_size, new_lr_state = -learning_rate, lr_state
   w_old_amax = master.amax if master.amax is not None else \
-      amaxes([w for w in w_leaves])
+      amaxes(w_leaves)
   seed = hash32(master.count.astype(jnp.uint32))
 
   new_mu, new_nu, new_w, new_amax, limits = [], [], [], [], []
@@ -104,18 +104,19 @@ def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1:
         _inv(nu_scale[i]), bc1, nu_scale[i] / jnp.sqrt(bc2), eps,
         weight_decay if decayed[i] else 0.0, step_size, ok.astype(jnp.float32), w.scale,
         w_scale, _inv(w_scale), ok_w.astype(jnp.float32))])
-    key = hash32((seed + jnp.uint32(i)) ^ jnp.uint32(0x9E3779B9))
+    leaf_seed = seed + jnp.uint32(i)  # apply_master_updates' stream
     gd = g.data if is_scaled(g) else g
     shape, n = gd.shape, math.prod(gd.shape)
     if _use_kernel(n, interpret):
       m2, v2, w2, blocks = K.adam_master_update(
           gd.reshape(-1), mu.data.reshape(-1), nu.data.reshape(-1), w.data.reshape(-1), s,
-          key.reshape(1), b1=b1, b2=b2, interpret=interpret, block=K.BLOCK,
+          leaf_seed.reshape(1), b1=b1, b2=b2, interpret=interpret, block=K.BLOCK,
           num_warps=K.NUM_WARPS)
       amax = jnp.max(blocks, initial=0.0)
     else:
       index = jnp.arange(n, dtype=jnp.uint32).reshape(shape)
-      m2, v2, w2, mag = K.update_reference(gd, mu.data, nu.data, w.data, s, key, index, b1, b2)
+      m2, v2, w2, mag = K.update_reference(gd, mu.data, nu.data, w.data, s, leaf_seed, index, b1,
+                                               b2)
       amax = jnp.max(mag, initial=0.0)
     new_mu.append(ScaledArray(m2.reshape(shape), mu_scale[i]))
     new_nu.append(ScaledArray(v2.reshape(shape), nu_scale[i]))

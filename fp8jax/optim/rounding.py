@@ -31,6 +31,11 @@ def element_bits(shape, seed) -> jax.Array:
   for dim in reversed(range(len(shape))):
     index = index + lax.broadcasted_iota(jnp.uint32, shape, dim) * jnp.uint32(stride % (1 << 32))
     stride *= shape[dim]
+  return index_bits(index, seed)
+
+
+def index_bits(index: jax.Array, seed) -> jax.Array:
+  """uint32 random bits for elements at flat uint32 `index`: hash of (index, `seed`)."""
   key = hash32(jnp.asarray(seed).astype(jnp.uint32) ^ jnp.uint32(0x9E3779B9))
   return hash32(index ^ key)
 
@@ -42,11 +47,18 @@ def stochastic_round(y: jax.Array, dtype, seed) -> jax.Array:
   within dtype's range never rounds past its largest finite value (the caller clips);
   values in dtype's subnormal range fall back to round-to-nearest.
   """
+  if 23 - int(jnp.finfo(dtype).nmant) <= 0:
+    return y.astype(dtype)
+  return round_with_bits(y, dtype, element_bits(y.shape, seed))
+
+
+def round_with_bits(y: jax.Array, dtype, random_bits: jax.Array) -> jax.Array:
+  """:func:`stochastic_round` with the caller's uint32 `random_bits` (shaped like `y`)."""
   drop = 23 - int(jnp.finfo(dtype).nmant)
   if drop <= 0:
     return y.astype(dtype)
   bits = lax.bitcast_convert_type(y.astype(jnp.float32), jnp.uint32)
-  noise = element_bits(y.shape, seed) >> np.uint32(32 - drop)
+  noise = random_bits >> np.uint32(32 - drop)
   mask = jnp.uint32(((1 << 32) - 1) ^ ((1 << drop) - 1))
   rounded = lax.bitcast_convert_type((bits + noise) & mask, jnp.float32)
   return jnp.where(jnp.isfinite(y), rounded, y).astype(dtype)

@@ -113,16 +113,23 @@ class Trainer:
     counts = self.balanced_counts(microbatches)
     mesh, m = self.zero.mesh, self.config.train.microbatch_size
     sharding = balanced.batch_sharding(mesh)
-    step = jax.jit(guards.skip_nonfinite_steps(
-        balanced.make_balanced_train_step(self.model.apply, self.tx, mesh,
-                                          grad_comm=self.grad_comm)),
-        in_shardings=(self.zero.state, sharding, sharding),
-        out_shardings=(self.zero.state, jax.sharding.NamedSharding(mesh, P())),
-        donate_argnums=0)
+    step = self._jit_shard_map_step()
     counts_array = balanced.put_global(np.asarray(counts, np.int32), sharding)
     return lambda state, batch: step(
         state, balanced.put_global(balanced.layout_batch(batch, counts, m), sharding),
         counts_array)
+
+  def _jit_shard_map_step(self):
+    """The jitted shard_map data-parallel step ``(state, batch, counts) -> (state, metrics)``
+    (fp8jax.train.balanced) with this run's gradient communication."""
+    mesh = self.zero.mesh
+    sharding = balanced.batch_sharding(mesh)
+    return jax.jit(guards.skip_nonfinite_steps(
+        balanced.make_balanced_train_step(self.model.apply, self.tx, mesh,
+                                          grad_comm=self.grad_comm)),
+        in_shardings=(self.zero.state, sharding, sharding),
+        out_shardings=(self.zero.state, jax.sharding.NamedSharding(mesh, P())),
+        donate_argnums=0, compiler_options=self.zero.compiler_options or None)
 
   def _fp8_step_fn(self, microbatches: int):
     step, place = self.fp8_step_parts(microbatches)
@@ -142,11 +149,7 @@ class Trainer:
                        f"(train.batch_size / train.microbatches) does not split over the "
                        f"{groups} data-parallel ranks; use a microbatch size that is a "
                        f"multiple of {groups}")
-    step = jax.jit(guards.skip_nonfinite_steps(
-        balanced.make_balanced_train_step(self.model.apply, self.tx, mesh, grad_comm="fp8")),
-        in_shardings=(self.zero.state, sharding, sharding),
-        out_shardings=(self.zero.state, jax.sharding.NamedSharding(mesh, P())),
-        donate_argnums=0, compiler_options=self.zero.compiler_options or None)
+    step = self._jit_shard_map_step()
     counts = balanced.put_global(np.full((groups,), microbatches, np.int32), sharding)
     return step, lambda batch: (balanced.put_global(
         balanced.layout_split(batch, microbatches, groups), sharding), counts)
