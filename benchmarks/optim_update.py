@@ -11,7 +11,12 @@ warm-up. Modes:
                rounding) + FP8 E4M3 gradients with a per-tensor scale (as FP8 gradient
                communication delivers them)
   O2 fused     the same step through fp8jax.optim.fused.adamw_master_step (one Pallas kernel
-               per tensor on GPUs)
+               per tensor on GPUs); it reads the gradients' FP8 payloads once to check them
+  O2 fused, finite given   the same with the finiteness flag passed in (as training passes
+               the clipping norm's): nothing but the kernels touches the arrays
+  clip+optax   optax.clip_by_global_norm(1.0) then optax.adamw (f32 gradients)
+  clip+O2 fused  global-norm clipping of the FP8 gradients (one pass over the payloads; the
+               clip factor goes into their scales) then the fused step, finite from the norm
 
   python benchmarks/optim_update.py [--params N] [--tensors T] [--iters K] [--modes ...]
   python benchmarks/optim_update.py --params 1048576 --iters 5     # a quick CPU run
@@ -33,7 +38,18 @@ import optax
 
 import fp8jax.optim as fo
 
-MODES = ("optax", "fp8jax", "fp8jax O2", "O2 fused", "O2 payload-amax", "O2 nearest")
+MODES = ("optax", "fp8jax", "fp8jax O2", "O2 fused", "O2 fused, finite given", "clip+optax",
+         "clip+O2 fused", "O2 payload-amax", "O2 nearest")
+
+
+def clip_scaled(grads, max_norm: float):
+  """(grads with scales multiplied by min(1, max_norm / global norm), global norm f32[])."""
+  leaves = jax.tree.leaves(grads, is_leaf=fo.is_scaled)
+  sq = sum(jnp.sum(jnp.square(g.data.astype(jnp.float32))) * g.scale ** 2 for g in leaves)
+  norm = jnp.sqrt(sq)
+  factor = jnp.minimum(1.0, max_norm / norm)
+  return jax.tree.map(lambda g: g._replace(scale=g.scale * factor), grads,
+                      is_leaf=fo.is_scaled), norm
 
 
 def _shapes(n_params: int, n_tensors: int):
@@ -52,15 +68,22 @@ def _tree(shapes, key, scale):
 
 def _step_fn(mode: str, tx):
   """The jitted step (params/master, opt_state, grads) -> (params/master, opt_state)."""
-  if mode.startswith("O2 fused"):  # fp8jax.optim.fused: one Pallas kernel per tensor on GPUs
+  if "O2 fused" in mode:  # fp8jax.optim.fused: one Pallas kernel per tensor on GPUs
     from fp8jax.kernels import adam_update
     from fp8jax.optim.fused import adamw_master_step
-    if mode != "O2 fused":  # "O2 fused BLOCKxWARPS": another tiling of the kernel
+    if mode.startswith("O2 fused ") and "x" in mode.split()[-1]:  # "O2 fused BLOCKxWARPS"
       block, warps = mode.split()[-1].split("x")
       adam_update.BLOCK, adam_update.NUM_WARPS = int(block), int(warps)
 
     def step(master, state, grads):
-      return adamw_master_step(grads, state, master, learning_rate=1e-4, weight_decay=0.1)
+      finite = None
+      if mode == "O2 fused, finite given":
+        finite = jnp.bool_(True)
+      elif mode == "clip+O2 fused":
+        grads, norm = clip_scaled(grads, 1.0)
+        finite = jnp.isfinite(norm)
+      return adamw_master_step(grads, state, master, learning_rate=1e-4, weight_decay=0.1,
+                               finite=finite)
   elif mode.startswith("O2 "):  # experiments: master scale from the payload's amax; RTN
     rounding = "nearest" if mode == "O2 nearest" else "stochastic"
 
@@ -92,13 +115,35 @@ def _device_peak():
   return stats.get("peak_bytes_in_use"), stats.get("bytes_in_use")
 
 
-def run_mode(mode: str, shapes, iters: int, seed: int, dump_hlo: str | None = None):
+def _kernel_time(compiled, params, state, grads, iters: int):
+  """(params, state, GPU kernel ms per step, kernels per step) from a profiler trace."""
+  import glob
+  import os
+  import tempfile
+  from profile_step import gpu_kernels
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+      for _ in range(iters):
+        params, state = compiled(params, state, grads)
+      jax.block_until_ready((params, state))
+    path = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)[0]
+    kernels = gpu_kernels(path)
+  return params, state, sum(us for _, us in kernels) / iters / 1e3, len(kernels) / iters
+
+
+def run_mode(mode: str, shapes, iters: int, seed: int, dump_hlo: str | None = None,
+             profile: bool = False):
   """Median seconds per step and memory facts of one mode."""
   params = _tree(shapes, jax.random.key(seed), 0.02)
   grads = _tree(shapes, jax.random.key(seed + 1), 1e-3)
-  tx = optax.adamw(1e-4, weight_decay=0.1) if mode == "optax" else fo.adamw(1e-4, weight_decay=0.1)
+  if mode == "optax":
+    tx = optax.adamw(1e-4, weight_decay=0.1)
+  elif mode == "clip+optax":
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-4, weight_decay=0.1))
+  else:
+    tx = fo.adamw(1e-4, weight_decay=0.1)
   state = jax.jit(tx.init)(params)
-  if mode != "optax" and mode != "fp8jax":
+  if mode not in ("optax", "fp8jax", "clip+optax"):
     params = jax.jit(fo.init_master, donate_argnums=0)(params)
     grads = jax.jit(fo.quantize_updates, donate_argnums=0)(grads)
   jax.block_until_ready((params, state, grads))
@@ -122,14 +167,22 @@ def run_mode(mode: str, shapes, iters: int, seed: int, dump_hlo: str | None = No
     params, state = compiled(params, state, grads)
     jax.block_until_ready((params, state))
     times.append(time.perf_counter() - t0)
-  o2 = mode not in ("optax", "fp8jax")
+  kernel_ms = launches = None
+  if profile and jax.default_backend() == "gpu":
+    params, state, kernel_ms, launches = _kernel_time(compiled, params, state, grads, iters)
+  o2 = mode not in ("optax", "fp8jax", "clip+optax")
   finite = bool(np.isfinite(np.asarray(jax.tree.leaves(fo.master_params(params) if o2
                                                        else params)[0][:4], np.float32)).all())
   peak, in_use = _device_peak()
   del params, state, grads, compiled, step
   gc.collect()
   return dict(ms=1e3 * float(np.median(times)), persistent=persistent, temp=temp, peak=peak,
-              in_use=in_use, finite=finite, fusions=fusions)
+              in_use=in_use, finite=finite, fusions=fusions, kernel_ms=kernel_ms,
+              launches=launches)
+
+
+def _fmt(x, spec: str) -> str:
+  return "-" if x is None else format(x, spec)
 
 
 def main(argv=None):
@@ -142,6 +195,8 @@ def main(argv=None):
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--dump-hlo", default=None, metavar="PREFIX",
                   help="write each mode's compiled step to PREFIX.<mode>.hlo.txt")
+  ap.add_argument("--profile", action="store_true",
+                  help="also trace each mode on the GPU: kernel ms and kernels per step")
   args = ap.parse_args(argv)
 
   shapes = _shapes(args.params, args.tensors)
@@ -151,20 +206,20 @@ def main(argv=None):
         f"{n:,} params in {len(shapes)} tensors of {shapes[0]}; median of {args.iters} steps")
   results = {}
   for mode in args.modes:
-    results[mode] = run_mode(mode, shapes, args.iters, args.seed, args.dump_hlo)
+    results[mode] = run_mode(mode, shapes, args.iters, args.seed, args.dump_hlo, args.profile)
   base = results.get("optax", {}).get("ms")
   gib = lambda b: "-" if b is None else f"{b / 2 ** 30:.2f}"
   print("\n| mode | ms (median) | x optax | GB/s (persistent r+w) | bytes/param | "
-        "temp GiB | device peak GiB | finite | fusions |")
-  print("|---|---|---|---|---|---|---|---|---|")
+        "temp GiB | device peak GiB | finite | fusions | GPU kernel ms | kernels |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
   for mode, r in results.items():
     ratio = f"{r['ms'] / base:.2f}" if base else "-"
     # Persistent state is read once and written once (grads only read): a lower bound on traffic.
-    grad_bytes = n * (4 if mode in ("optax", "fp8jax") else 1)
+    grad_bytes = n * (4 if mode in ("optax", "fp8jax", "clip+optax") else 1)
     traffic = 2 * r["persistent"] - grad_bytes
     print(f"| {mode} | {r['ms']:.2f} | {ratio} | {traffic / r['ms'] / 1e6:.0f} | "
           f"{r['persistent'] / n:.3f} | {gib(r['temp'])} | {gib(r['peak'])} | {r['finite']} | "
-          f"{r['fusions']} |")
+          f"{r['fusions']} | {_fmt(r['kernel_ms'], '.2f')} | {_fmt(r['launches'], '.0f')} |")
 
 
 if __name__ == "__main__":

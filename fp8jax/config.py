@@ -283,8 +283,14 @@ class TrainSection(_Section):
   log_every: int = _field(10, _ge(1))
   fp8_health_every: int = _field(50, _ge(0))  # FP8 cast-health probe; 0 disables
   seed: int = _field(0, _ge(0))
+  # O2 on one device: the AdamW + FP16-master update as one kernel per tensor
+  # (fp8jax.optim.fused; benchmarks/RESULTS.md "Optimizer update").
+  fused_optimizer: bool = False
 
   def _check(self):
+    if self.fused_optimizer and self.opt_level != "O2":
+      _fail(f"train.fused_optimizer=True needs FP16 master weights on one device, i.e. "
+            f"train.opt_level O2, not {self.opt_level!r}; use O2 or fused_optimizer false")
     if self.batch_size % self.microbatches:
       divisors = [d for d in range(1, self.batch_size + 1) if self.batch_size % d == 0]
       _fail(f"train.microbatches={self.microbatches} does not divide "
@@ -430,6 +436,7 @@ class Config(_Section):
     self._check_offload()
     self._check_tensor_parallel()
     self._check_grad_comm()
+    self._check_fused_optimizer()
     if self.train.batch_ramp is not None:
       self._check_ramp()
     _refuse_unbuilt(self)
@@ -483,6 +490,19 @@ class Config(_Section):
     if why is not None:
       _fail(f"parallel.grad_comm='fp8' is not supported with {why}, or "
             f"parallel.grad_comm 'native' / 'auto'")
+
+  def _check_fused_optimizer(self):
+    p = self.parallel
+    if not self.train.fused_optimizer:
+      return
+    for key, value, ok in (("zero_stage", p.zero_stage, 0), ("offload_optimizer",
+                            p.offload_optimizer, False), ("device_map", p.device_map, None),
+                           ("grad_comm", p.grad_comm, "auto"),
+                           ("tensor_parallel_size", p.tensor_parallel_size, 1)):
+      if value != ok and not (key == "grad_comm" and value == "native"):
+        _fail(f"train.fused_optimizer=True runs on unsharded arrays (one device); "
+              f"parallel.{key}={value!r} is not allowed with it; use {ok!r} or "
+              f"train.fused_optimizer false")
 
   def _check_offload(self):
     if self.parallel.offload_optimizer and self.parallel.device_map is not None:

@@ -52,23 +52,30 @@ def _run(steps, fp8_grads, seed, interpret, poison=None):
 
 
 def _ulp_diff(a, b):
-  """(fraction of elements that differ, largest relative difference)."""
+  """(elements that differ beyond the allowance, largest relative difference). The allowance,
+  2 + n/500 elements, covers f32 math that differs by an ulp or two (a fused multiply-add, an
+  approximate rsqrt) flipping a rounding of the 8/16-bit payload near a tie."""
   a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-  return np.mean(a != b), np.max(np.abs(a - b) / np.maximum(np.abs(a), 1e-30))
+  excess = np.sum(a != b) - (2 + a.size // 500)
+  return excess / max(a.size, 1), np.max(np.abs(a - b) / np.maximum(np.abs(a), 1e-30))
 
 
 def _check_close(m_ref, s_ref, m_f, s_f):
   assert jax.tree.structure(s_ref) == jax.tree.structure(s_f)
   for a, b in zip(jax.tree.leaves(s_ref), jax.tree.leaves(s_f)):
     frac, rel = _ulp_diff(a, b)
-    assert a.dtype == b.dtype and frac < 1e-3 and rel < 0.13, (frac, rel)  # <= 1 E4M3 ulp, rarely
+    assert a.dtype == b.dtype
+    if a.dtype == jnp.float32:  # scales: the clip factor may be applied in another order
+      assert rel < 1e-6, rel
+    else:
+      assert frac <= 0 and rel < 0.13, (frac, rel)  # <= 1 E4M3 ulp, rarely
   for a, b in zip(jax.tree.leaves(m_ref), jax.tree.leaves(m_f)):
     frac, rel = _ulp_diff(a, b)
     assert a.dtype == b.dtype, (a.dtype, b.dtype)
     if a.dtype == jnp.float32:  # tracked amaxes: f32 rounding order may differ
       assert rel < 1e-6, rel
     else:
-      assert frac < 1e-3 and rel < 2.0 ** -9, (frac, rel)  # <= 1 FP16 ulp, rarely
+      assert frac <= 0 and rel < 2.0 ** -9, (frac, rel)  # <= 1 FP16 ulp, rarely
 
 
 @pytest.mark.parametrize("interpret", [True, False])
@@ -102,3 +109,108 @@ def test_fused_rejects_bad_input():
   with pytest.raises(ValueError, match="float32"):
     adamw_master_step(jax.tree.map(lambda x: x.astype(jnp.bfloat16), params), tx.init(params),
                       fo.init_master(params), learning_rate=1e-3)
+
+
+def test_fused_update_with_clipping_matches_chain():
+  """The Trainer's fused update (clip factor folded into the scalars, finiteness from the
+  norm) against optax.clip_by_global_norm + fp8jax.optim.adamw + apply_master_updates."""
+  from fp8jax.train.optimizer import make_fused_update
+  seed = int(np.random.randint(1 << 20))
+  params = _tree(jax.random.key(seed), 0.05)
+  clip = 0.01
+  tx = optax.chain(optax.clip_by_global_norm(clip), fo.adamw(
+      LR, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, mask=decay_mask))
+  fused = jax.jit(make_fused_update(LR, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1,
+                                    clip_norm=clip))
+
+  @jax.jit
+  def composed(g, s, m):
+    updates, s = tx.update(g, s, fo.master_params(m))
+    return fo.apply_master_updates(m, updates, finite=jnp.isfinite(optax.tree.norm(g))), s
+
+  master, state = fo.init_master(params), tx.init(params)
+  for t in range(3):
+    g = _tree(jax.random.key(seed + 100 + t), 1e-3, spread=True)
+    norm = optax.tree.norm(g)
+    assert float(norm) > 2 * clip  # clipping is active
+    m_ref, s_ref = composed(g, state, master)
+    m_f, s_f = fused(master, state, g, norm)
+    _check_close(m_ref, s_ref, m_f, s_f)
+    master, state = m_ref, s_ref
+  assert int(m_f.count) == 3
+
+
+def test_fused_step_with_finite_given_reads_no_gradient_before_the_kernel():
+  """With FP8 gradients and the finiteness flag supplied, no XLA op reduces over a gradient
+  payload: the kernel is the only pass over the arrays."""
+  params = {"w": jax.random.normal(jax.random.key(0), (8, 1024))}
+  tx = fo.adamw(1e-3)
+  g = fo.quantize_updates(jax.tree.map(lambda x: x * 1e-3, params))
+
+  def step(finite):
+    return jax.make_jaxpr(lambda g, s, m: adamw_master_step(
+        g, s, m, learning_rate=1e-3, finite=finite, interpret=True))(
+            g, tx.init(params), fo.init_master(params))
+
+  def reductions(jaxpr):  # reductions over >= 8192 elements outside the Pallas call
+    found = []
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name.startswith("reduce") and any(
+          np.prod(v.aval.shape) >= 8192 for v in eqn.invars):
+        found.append(eqn.primitive.name)
+      for p in eqn.params.values():
+        if hasattr(p, "jaxpr") and eqn.primitive.name != "pallas_call":
+          found += reductions(p.jaxpr)
+    return found
+  assert reductions(step(None).jaxpr)  # the check reads the payloads
+  assert not reductions(step(jnp.bool_(True)).jaxpr)
+
+
+def test_first_moment_bound_holds_on_the_extremal_gradient_sequence():
+  """u = m / sqrt(v) reaches Cauchy-Schwarz's bound (7.27 at b1=0.9, b2=0.999) when
+  gradients grow by b2/b1 per step; the stored E4M3 u (scale capped by moments.u_cap) holds
+  it without clipping: the payload stays below E4M3's largest value and decoded m / r stays
+  within 20% of float64 Adam (a cap of 5.5 would clip it 24%; what remains is the drift of a
+  3-bit recurrence fed the same gradient pattern every step)."""
+  from fp8jax.optim import moments
+  b1, b2, steps = 0.9, 0.999, 120
+  signs = np.sign(np.random.default_rng().standard_normal(1024))
+  tx = fo.scale_by_adam(b1, b2, eps=1e-30)
+  state = tx.init({"w": jnp.zeros(1024)})
+  update = jax.jit(tx.update)
+  m = v = np.zeros(1024)
+  for t in range(steps):
+    g = signs * 1e-6 * (b2 / b1) ** t
+    m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+    _, state = update({"w": jnp.asarray(g, jnp.float32)}, state)
+  exact = m / np.sqrt(v)
+  assert np.max(np.abs(exact)) > 7.0  # the sequence is (nearly) extremal
+  assert moments.u_cap(b1, b2, jnp.float8_e4m3fn, jnp.float16) > np.max(np.abs(exact))
+  mu, nu = state.mu["w"], state.nu["w"]
+  assert np.max(np.abs(np.asarray(mu.data, np.float32))) < 448
+  u = np.asarray(mu.data, np.float64) * float(mu.scale)
+  np.testing.assert_allclose(u, exact, rtol=0.2)
+
+
+def test_trainer_fused_optimizer_tracks_the_composed_path():
+  from fp8jax.config import load_config
+  from fp8jax.train.loop import Trainer
+  losses = {}
+  for fused in (False, True):
+    cfg = load_config("configs/tiny.yaml", [
+        "train.opt_level=O2", f"train.fused_optimizer={str(fused).lower()}", "train.steps=8",
+        "train.warmup_steps=2", "train.eval_every=0", "train.batch_size=4", "model.n_layers=1",
+        "model.d_model=64", "model.n_heads=2", "model.d_ff=256", "data.seq_len=64",
+        "data.max_bytes=1048576", "train.learning_rate=3e-3"])
+    trainer = Trainer(cfg, progress=False)
+    out = []
+    for s in range(8):
+      trainer.state, m = trainer.step_fn(1)(trainer.state, trainer.next_batch(s))
+      out.append(float(m["loss"]))
+    losses[fused] = np.array(out)
+  assert losses[True][-1] < losses[True][0] - 0.5  # it trains
+  np.testing.assert_allclose(losses[True], losses[False], rtol=2e-3)
+  for bad, what in ((["train.opt_level=O1"], "O2"), (["parallel.zero_stage=1"], "zero_stage")):
+    with pytest.raises(ValueError, match=what):
+      load_config("configs/tiny.yaml", ["train.opt_level=O2", "train.fused_optimizer=true"]
+                  + bad)

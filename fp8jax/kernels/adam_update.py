@@ -4,10 +4,12 @@ XLA splits this update into ~9 kernels per tensor that re-read the moments; this
 (Triton backend) reads gradient, moments and master weight once and writes the three new
 payloads once (11 bytes per parameter with FP8 gradients), plus a per-block max |new weight|.
 
-`adam_master_update(g, mu, nu, w, scalars, seed)` works on one tensor's payloads flattened to
-[N] (N a multiple of `BLOCK`). `scalars` is f32[NUM_SCALARS] (see `S_*` below), `seed` u32[1]
-seeds the stochastic rounding of the master weight (:mod:`fp8jax.optim.rounding`'s stream).
-Returns (mu', nu', w', amax_blocks f32[N / BLOCK]). The per-element math is
+`adam_master_update(g, mu, nu, w, table, seed, amax, row=i, offset=k)` works on tensor i's
+payloads flattened to [N] (N a multiple of `BLOCK`). All tensors of a step share one scalar
+table (row i: f32[NUM_SCALARS], see `S_*` below), one u32[1] seed of the master weight's
+stochastic rounding (:mod:`fp8jax.optim.rounding`'s stream; tensor i uses seed + i) and one
+f32 buffer of per-block max |new weight| (tensor i writes entries k .. k + N / BLOCK), so a
+step of L tensors is L kernels and a handful of small XLA ops. The per-element math is
 :func:`update_reference`'s, which mirrors ``fp8jax.optim.adamw`` followed by
 ``apply_master_updates``.
 """
@@ -41,12 +43,15 @@ def update_reference(g, mu, nu, w, s, seed, index, b1: float, b2: float):
   m_old = (mu.astype(f32) * s[S_MU_OLD]) * r_old
   m = b1 * m_old + (1.0 - b1) * g
   x, y = r_old * s[S_INV_NU], g * s[S_INV_NU]
-  r_units = jnp.sqrt(b2 * (x * x) + (1.0 - b2) * (y * y))
-  upd = (m / s[S_BC1]) / (r_units * s[S_RFAC] + s[S_EPS])
+  # One division per element: the root and 1/root from one rsqrt (0 below f32's smallest
+  # normal, where an approximate rsqrt may flush; FP16 stores such r as 0 anyway).
+  z = b2 * (x * x) + (1.0 - b2) * (y * y)
+  inv_r = jnp.where(z >= jnp.finfo(f32).tiny, lax.rsqrt(z), 0.0)
+  r_units = z * inv_r
+  upd = (m * (1.0 / s[S_BC1])) / (r_units * s[S_RFAC] + s[S_EPS])
   ok = s[S_OK] > 0
   upd = jnp.where(ok, upd, 0.0)
-  r = r_units * s[S_NU_NEW]
-  u = jnp.where(r > 0, m / jnp.where(r > 0, r, 1.0), 0.0)
+  u = m * inv_r * s[S_INV_NU]
   fmax_mu, fmax_nu = float(jnp.finfo(mu.dtype).max), float(jnp.finfo(nu.dtype).max)
   new_mu = jnp.clip(u * s[S_INV_MU], -fmax_mu, fmax_mu).astype(mu.dtype)
   new_nu = jnp.minimum(r_units, fmax_nu).astype(nu.dtype)
@@ -64,40 +69,63 @@ def update_reference(g, mu, nu, w, s, seed, index, b1: float, b2: float):
   return new_mu, new_nu, new_w, mag
 
 
-def _kernel(g_ref, mu_ref, nu_ref, w_ref, s_ref, seed_ref, mu_out, nu_out, w_out, amax_out, *,
-            b1, b2, block):
-  s = [s_ref[i] for i in range(NUM_SCALARS)]
+def _kernel(g_ref, mu_ref, nu_ref, w_ref, s_ref, seed_ref, amax_in, mu_out, nu_out, w_out,
+            amax_out, *, b1, b2, block, row):
+  del amax_in  # aliased to amax_out; other tensors' entries stay as they are
+  s = [s_ref[row * NUM_SCALARS + i] for i in range(NUM_SCALARS)]
   from jax.experimental import pallas as pl
   index = (pl.program_id(0).astype(jnp.uint32) * jnp.uint32(block)
            + lax.broadcasted_iota(jnp.uint32, (block,), 0))
+  seed = seed_ref[0] + jnp.uint32(row)
   new_mu, new_nu, new_w, mag = update_reference(g_ref[...], mu_ref[...], nu_ref[...],
-                                                w_ref[...], s, seed_ref[0], index, b1, b2)
+                                                w_ref[...], s, seed, index, b1, b2)
   mu_out[...] = new_mu
   nu_out[...] = new_nu
   w_out[...] = new_w
   amax_out[...] = jnp.broadcast_to(jnp.max(mag), (1,))
 
 
-@functools.partial(jax.jit, static_argnames=("b1", "b2", "interpret", "block", "num_warps"))
-def adam_master_update(g, mu, nu, w, scalars, seed, *, b1: float, b2: float,
-                       interpret: bool = False, block: int = BLOCK, num_warps: int = NUM_WARPS):
-  """The fused update of one tensor (see the module docstring); all payloads f[N]."""
+def scalar_table(rows) -> jax.Array:
+  """f32[P]: the per-tensor scalar vectors (each f32[NUM_SCALARS]) back to back, zero-padded
+  to a power of two (a Triton block must be one); tensor `i` reads row `i`."""
+  flat = jnp.concatenate([jnp.asarray(r, jnp.float32) for r in rows])
+  size = 1 << max(int(flat.shape[0]) - 1, 1).bit_length()
+  return jnp.pad(flat, (0, size - flat.shape[0]))
+
+
+@functools.partial(jax.jit, static_argnames=("row", "offset", "b1", "b2", "interpret", "block",
+                                             "num_warps"))
+def adam_master_update(g, mu, nu, w, table, seed, amax, *, row: int, offset: int, b1: float,
+                       b2: float, interpret: bool = False, block: int = BLOCK,
+                       num_warps: int = NUM_WARPS):
+  """The fused update of tensor `row` (see the module docstring); payloads f[N].
+
+  `table`: :func:`scalar_table` of all tensors; `seed`: u32[1] base seed (tensor `row` uses
+  ``seed + row``); `amax`: f32[M], whose entries ``offset .. offset + N / block`` receive the
+  blocks' max |new weight| (the others are kept). mu, nu, w and amax are updated in place when
+  donated. Returns (mu', nu', w', amax').
+  """
   from jax.experimental import pallas as pl
   n = g.shape[0]
   if n % block or not (g.shape == mu.shape == nu.shape == w.shape) or g.ndim != 1:
     raise ValueError(f"adam_master_update: payloads must be 1-D of one length, a multiple of "
                      f"{block}; got {[a.shape for a in (g, mu, nu, w)]}")
   grid = n // block
+  if (row + 1) * NUM_SCALARS > table.shape[0] or offset + grid > amax.shape[0]:
+    raise ValueError(f"adam_master_update: row {row} / amax entries {offset}..{offset + grid} "
+                     f"outside table f32[{table.shape[0]}] / amax f32[{amax.shape[0]}]")
   vec = pl.BlockSpec((block,), lambda i: (i,))
+  blocks = pl.BlockSpec((1,), lambda i: (offset + i,))
   params = {}
   if not interpret:
     from jax.experimental.pallas import triton as plt
     params = dict(compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1))
   return pl.pallas_call(
-      functools.partial(_kernel, b1=b1, b2=b2, block=block), grid=(grid,),
-      in_specs=[vec, vec, vec, vec, pl.BlockSpec((NUM_SCALARS,), lambda i: (0,)),
-                pl.BlockSpec((1,), lambda i: (0,))],
-      out_specs=[vec, vec, vec, pl.BlockSpec((1,), lambda i: (i,))],
+      functools.partial(_kernel, b1=b1, b2=b2, block=block, row=row), grid=(grid,),
+      in_specs=[vec, vec, vec, vec, pl.BlockSpec(table.shape, lambda i: (0,)),
+                pl.BlockSpec((1,), lambda i: (0,)), blocks],
+      out_specs=[vec, vec, vec, blocks],
       out_shape=[jax.ShapeDtypeStruct((n,), mu.dtype), jax.ShapeDtypeStruct((n,), nu.dtype),
-                 jax.ShapeDtypeStruct((n,), w.dtype), jax.ShapeDtypeStruct((grid,), jnp.float32)],
-      interpret=interpret, **params)(g, mu, nu, w, scalars, seed)
+                 jax.ShapeDtypeStruct((n,), w.dtype), jax.ShapeDtypeStruct(amax.shape, jnp.float32)],
+      input_output_aliases={1: 0, 2: 1, 3: 2, 6: 3},  # mu, nu, w, amax updated in place
+      interpret=interpret, **params)(g, mu, nu, w, table, seed, amax)

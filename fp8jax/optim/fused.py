@@ -10,8 +10,9 @@ computes (same state trees, same scales, same stochastic-rounding stream), but e
 gradient, moments and master weight are read once and written once by a fused kernel
 (:mod:`fp8jax.kernels.adam_update`) on GPUs; elsewhere, and for tensors whose size is not a
 multiple of the kernel's block, the same per-element function runs through XLA. Per-tensor
-scalars (scales, bias corrections, learning rate) are computed first from the stacked amaxes,
-as the composed path does. Unsharded (single-device or replicated) arrays only: a Pallas call
+scalars (scales, bias corrections, learning rate) come first from the old scales and the
+gradients' scales (:mod:`fp8jax.optim.moments`' bounds), as in the composed path; the kernel
+writes the moments and the master weight in place (donate them to avoid copies). Unsharded (single-device or replicated) arrays only: a Pallas call
 does not partition under ``jax.jit``.
 """
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _use_kernel(n: int, interpret) -> bool:
 
 def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1: float = 0.9,
                       b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
-                      mask=None, finite=None, interpret: bool = False):
+                      mask=None, finite=None, grad_scale=None, interpret: bool = False):
   """``(new_master, new_state)`` of one AdamW step on FP16 master weights (see module doc).
 
   Args:
@@ -50,8 +51,12 @@ def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1:
       ``(ScaleByAdamState, decay state, learning-rate state)``).
     master: FP16 master weights (:func:`fp8jax.optim.init_master`), every leaf scaled.
     learning_rate, b1, b2, eps, weight_decay, mask: as given to ``fp8jax.optim.adamw``.
-    finite: bool[] passed to ``apply_master_updates`` as `finite` (default: the gradients'
-      finiteness, which is what the optimizer itself checks).
+    finite: bool[], whether the gradients are all finite (e.g. from the clipping norm). It
+      goes to ``apply_master_updates`` as `finite`; when every gradient is scaled it also
+      replaces the optimizer's own check, so the step reads nothing before the kernels.
+      Default: the gradients' amaxes are read to check (what the optimizer does).
+    grad_scale: optional f32[] the gradients are multiplied by first (global-norm clipping's
+      factor), folded into the per-tensor scalars: no pass over the gradients.
     interpret: run the kernel through Pallas' interpreter (tests on CPU).
   """
   if not (isinstance(state, tuple) and len(state) == 3
@@ -73,14 +78,19 @@ def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1:
     m = mask(params_like) if callable(mask) else mask
     decayed = [bool(x) for x in treedef.flatten_up_to(m)]
 
-  amax_g = amaxes(g_leaves)
-  ok = jnp.all(jnp.isfinite(amax_g))
+  if finite is not None and all(is_scaled(g) for g in g_leaves):
+    amax_g, ok = None, jnp.asarray(finite, jnp.bool_)  # no pass over the gradients at all
+  else:
+    amax_g = amaxes(g_leaves)
+    ok = jnp.all(jnp.isfinite(amax_g))
   ok_w = ok if finite is None else jnp.asarray(finite, jnp.bool_)
   mu_old = jnp.stack([mu.scale for mu in mus]) if mus else jnp.zeros((0,))
   nu_old = jnp.stack([nu.scale for nu in nus]) if nus else jnp.zeros((0,))
   mu_dtype = mus[0].data.dtype if mus else jnp.float8_e4m3fn
   nu_dtype = nus[0].data.dtype if nus else jnp.float16
-  mu_scale, nu_scale = moments.next_scales(amaxes(mus), nu_old, amax_g, b1, b2, mu_dtype,
+  g_bound = moments.grad_bounds(g_leaves, amax_g)
+  g_mult = jnp.float32(1.0) if grad_scale is None else jnp.asarray(grad_scale, jnp.float32)
+  mu_scale, nu_scale = moments.next_scales(mu_old, nu_old, g_bound * g_mult, b1, b2, mu_dtype,
                                            nu_dtype)
   mu_scale, nu_scale = jnp.where(ok, mu_scale, mu_old), jnp.where(ok, nu_scale, nu_old)
   count = optax.safe_int32_increment(adam_state.count)
@@ -95,33 +105,49 @@ def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1:
       amaxes(w_leaves)
   seed = hash32(master.count.astype(jnp.uint32))
 
-  new_mu, new_nu, new_w, new_amax, limits = [], [], [], [], []
+  rows, w_scales, limits = [], [], []
   for i, (g, mu, nu, w) in enumerate(zip(g_leaves, mus, nus, w_leaves)):
     w_scale = write_scales(w_old_amax[i], w.data.dtype)
+    w_scales.append(w_scale)
     limits.append(w_scale * payload_max(w.data.dtype))
-    s = jnp.stack([jnp.asarray(v, jnp.float32) for v in (
-        g.scale if is_scaled(g) else 1.0, mu.scale, nu.scale, _inv(mu_scale[i]), nu_scale[i],
+    rows.append(jnp.stack([jnp.asarray(v, jnp.float32) for v in (
+        (g.scale if is_scaled(g) else 1.0) * g_mult, mu.scale, nu.scale, _inv(mu_scale[i]), nu_scale[i],
         _inv(nu_scale[i]), bc1, nu_scale[i] / jnp.sqrt(bc2), eps,
         weight_decay if decayed[i] else 0.0, step_size, ok.astype(jnp.float32), w.scale,
-        w_scale, _inv(w_scale), ok_w.astype(jnp.float32))])
-    leaf_seed = seed + jnp.uint32(i)  # apply_master_updates' stream
+        w_scale, _inv(w_scale), ok_w.astype(jnp.float32))]))
+  sizes = [math.prod(w.data.shape) for w in w_leaves]
+  kernel = [_use_kernel(n, interpret) for n in sizes]
+  offsets = np.cumsum([0] + [n // K.BLOCK if k else 0 for n, k in zip(sizes, kernel)])
+  if any(kernel):
+    table = K.scalar_table(rows)
+    blocks = jnp.zeros((int(offsets[-1]),), jnp.float32)
+
+  new_mu, new_nu, new_w, new_amax = [], [], [], []
+  for i, (g, mu, nu, w) in enumerate(zip(g_leaves, mus, nus, w_leaves)):
     gd = g.data if is_scaled(g) else g
-    shape, n = gd.shape, math.prod(gd.shape)
-    if _use_kernel(n, interpret):
+    shape = gd.shape
+    if kernel[i]:
       m2, v2, w2, blocks = K.adam_master_update(
-          gd.reshape(-1), mu.data.reshape(-1), nu.data.reshape(-1), w.data.reshape(-1), s,
-          leaf_seed.reshape(1), b1=b1, b2=b2, interpret=interpret, block=K.BLOCK,
-          num_warps=K.NUM_WARPS)
-      amax = jnp.max(blocks, initial=0.0)
+          gd.reshape(-1), mu.data.reshape(-1), nu.data.reshape(-1), w.data.reshape(-1), table,
+          seed.reshape(1), blocks, row=i, offset=int(offsets[i]), b1=b1, b2=b2,
+          interpret=interpret, block=K.BLOCK, num_warps=K.NUM_WARPS)
+      amax = None  # from `blocks` below
     else:
-      index = jnp.arange(n, dtype=jnp.uint32).reshape(shape)
-      m2, v2, w2, mag = K.update_reference(gd, mu.data, nu.data, w.data, s, leaf_seed, index, b1,
-                                               b2)
+      index = jnp.arange(sizes[i], dtype=jnp.uint32).reshape(shape)
+      leaf_seed = seed + jnp.uint32(i)  # apply_master_updates' stream
+      m2, v2, w2, mag = K.update_reference(gd, mu.data, nu.data, w.data, rows[i], leaf_seed,
+                                           index, b1, b2)
       amax = jnp.max(mag, initial=0.0)
     new_mu.append(ScaledArray(m2.reshape(shape), mu_scale[i]))
     new_nu.append(ScaledArray(v2.reshape(shape), nu_scale[i]))
-    new_w.append(ScaledArray(w2.reshape(shape), jnp.where(ok_w, w_scale, w.scale)))
+    new_w.append(ScaledArray(w2.reshape(shape), jnp.where(ok_w, w_scales[i], w.scale)))
     new_amax.append(amax)
+  if any(kernel):  # one segmented max over all kernel tensors' block maxima
+    ids = jnp.searchsorted(jnp.asarray(offsets[1:], jnp.int32),
+                           jnp.arange(int(offsets[-1]), dtype=jnp.int32), side="right")
+    seg = jax.ops.segment_max(blocks, ids, num_segments=len(sizes),
+                              indices_are_sorted=True)
+    new_amax = [seg[i] if a is None else a for i, a in enumerate(new_amax)]
 
   amax_w = jnp.stack(new_amax) if new_amax else w_old_amax
   clipped = ok_w & jnp.any(amax_w > jnp.stack(limits)) if limits else jnp.bool_(False)

@@ -12,17 +12,21 @@ Per parameter tensor the state holds two :class:`ScaledArray`\\ s:
   the second moment can never be zero where the first is not.
 
 Both scales are fixed *before* the new state is written, from rigorous bounds, so the whole
-update is one elementwise pass after a cheap reduction (amax of the gradient and of the old
-``u`` payload)::
+update is one elementwise pass needing no reduction over the moments (only the gradient's
+amax, which a scaled FP8 gradient carries in its scale)::
 
   r_new^2 = b2 r_old^2 + (1-b2) g^2
-      => max r_new <= hypot(sqrt(b2) max r_old, sqrt(1-b2) max|g|)
+      => max r_new <= hypot(sqrt(b2) R_old, sqrt(1-b2) max|g|)
   |u_new| = |b1 m_old + (1-b1) g| / r_new
-      <= b1/sqrt(b2) max|u_old| + (1-b1)/sqrt(1-b2)
+      <= b1/sqrt(b2) U_old + (1-b1)/sqrt(1-b2)
 
-(``r_new >= sqrt(b2) r_old`` and ``r_new >= sqrt(1-b2)|g|``). Neither payload saturates.
-``r`` is computed in units of its new scale, so gradients from 1e-38 to 3e38 neither underflow
-nor overflow on the way.
+(``r_new >= sqrt(b2) r_old`` and ``r_new >= sqrt(1-b2)|g|``; ``R_old``, ``U_old``: the bounds
+the old payloads were scaled to, which the stored values never exceed). The ``u`` bound is
+capped by Cauchy-Schwarz, ``|m_t| <= (1-b1) sqrt(v_t / (1-b2)) / sqrt(1 - b1^2/b2)`` for any
+gradient history, with the stored formats' rounding folded into ``b1`` and ``b2``: ~11.7 for
+(0.9, 0.999) with an E4M3 ``u`` and an FP16 ``r``, so after a few steps ``u``'s scale is fixed.
+Neither payload saturates. ``r`` is computed in units of its new scale, so gradients from
+1e-38 to 3e38 neither underflow nor overflow on the way.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fp8jax.optim.scaled import (ScaledArray, dequantize_scaled, payload_max,
+from fp8jax.optim.scaled import (ScaledArray, dequantize_scaled, is_scaled, payload_max,
                                  quantize_with_scale, scale_from_bound)
 
 
@@ -55,17 +59,47 @@ def advance(m_old, r_old, g, nu_scale, b1: float, b2: float):
   return m, jnp.sqrt(b2 * (x * x) + (1.0 - b2) * (y * y))
 
 
-def next_scales(amax_u, nu_scale, amax_g, b1: float, b2: float, mu_dtype, nu_dtype):
+def u_cap(b1: float, b2: float, mu_dtype, nu_dtype) -> float:
+  """The Cauchy-Schwarz bound on ``|u| = |m| / sqrt(v)`` (inf where b1^2 >= b2), with the
+  relative rounding of the stored ``u`` and ``r`` folded into b1 and b2."""
+  rel = lambda dtype: 2.0 ** -(int(jnp.finfo(dtype).nmant) + 1)
+  eps_u, eps_r = rel(mu_dtype), rel(nu_dtype)
+  b1e = b1 * (1.0 + eps_u) * (1.0 + eps_r)
+  b2e = b2 * (1.0 - eps_r) ** 2
+  if b1e * b1e >= b2e:
+    return math.inf
+  return (1.0 - b1) * (1.0 + eps_u) / math.sqrt((1.0 - b2) * (1.0 - b1e * b1e / b2e))
+
+
+def next_scales(mu_scale, nu_scale, amax_g, b1: float, b2: float, mu_dtype, nu_dtype):
   """(mu_scale, nu_scale) for the state written this step, from the bounds above.
 
-  Elementwise over stacked per-tensor values (f32[L] for a tree of L tensors): `amax_u` is
-  the old ``u``'s agreed amax, `nu_scale` the old ``nu`` scale, `amax_g` the gradient's
-  agreed amax.
+  Elementwise over stacked per-tensor values (f32[L] for a tree of L tensors): `mu_scale` and
+  `nu_scale` are the old state's scales, `amax_g` the gradient's agreed amax (or a bound on it).
   """
   pmax_nu, pmax_mu = payload_max(nu_dtype), payload_max(mu_dtype)
   r_bound = jnp.hypot(math.sqrt(b2) * nu_scale * pmax_nu, math.sqrt(1.0 - b2) * amax_g)
-  u_bound = b1 / math.sqrt(b2) * amax_u + (1.0 - b1) / math.sqrt(1.0 - b2)
+  u_bound = b1 / math.sqrt(b2) * (mu_scale * pmax_mu) + (1.0 - b1) / math.sqrt(1.0 - b2)
+  u_bound = jnp.minimum(u_bound, u_cap(b1, b2, mu_dtype, nu_dtype))
   return scale_from_bound(u_bound, pmax_mu), scale_from_bound(r_bound, pmax_nu)
+
+
+def grad_bounds(grads, amax_g=None) -> jax.Array:
+  """f32[L]: a bound on each gradient leaf's amax for :func:`next_scales`.
+
+  A scaled gradient's payload never exceeds its format's largest value, so ``scale * max``
+  bounds it with no pass over the data; plain leaves take their entry of `amax_g` (their
+  agreed amaxes, f32[L]; may be None when every leaf is scaled).
+  """
+  out = []
+  for i, g in enumerate(grads):
+    if is_scaled(g):
+      out.append(jnp.asarray(g.scale, jnp.float32) * float(jnp.finfo(g.data.dtype).max))
+    elif amax_g is None:
+      raise ValueError("grad_bounds: a plain (unscaled) gradient leaf needs its amax")
+    else:
+      out.append(amax_g[i])
+  return jnp.stack(out) if out else jnp.zeros((0,), jnp.float32)
 
 
 def encode(m, r_units, mu_scale, nu_scale, mu_dtype, nu_dtype):

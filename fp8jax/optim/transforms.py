@@ -92,8 +92,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     ok = jnp.all(jnp.isfinite(amax_g))
     old_mu_scale = jnp.stack([mu.scale for mu in mus]) if mus else jnp.zeros((0,))
     old_nu_scale = jnp.stack([nu.scale for nu in nus]) if nus else jnp.zeros((0,))
-    mu_scale, nu_scale = moments.next_scales(amaxes(mus, axis_names), old_nu_scale, amax_g,
-                                             b1, b2, mu_dtype, nu_dtype)
+    mu_scale, nu_scale = moments.next_scales(old_mu_scale, old_nu_scale,
+                                             moments.grad_bounds(grads, amax_g), b1, b2,
+                                             mu_dtype, nu_dtype)
     mu_scale = jnp.where(ok, mu_scale, old_mu_scale)
     nu_scale = jnp.where(ok, nu_scale, old_nu_scale)
     count = optax.safe_int32_increment(state.count)

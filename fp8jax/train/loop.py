@@ -26,7 +26,7 @@ from fp8jax.parallel import device_map as device_map_lib
 from fp8jax.train import balanced, guards
 from fp8jax.train import metrics as metrics_lib
 from fp8jax.train.health import fp8_cast_health
-from fp8jax.train.optimizer import lr_schedule, make_optimizer
+from fp8jax.train.optimizer import lr_schedule, make_fused_update, make_optimizer
 from fp8jax.train.state import TrainState, init_state
 from fp8jax.train.step import cross_entropy, make_eval_step, make_train_step
 
@@ -61,6 +61,13 @@ class Trainer:
       raise ValueError("parallel.grad_comm='fp8' needs at least 2 data-parallel ranks; this "
                        f"run has {parallel_describe(self.zero.mesh)}; use parallel.grad_comm "
                        "'native' / 'auto' or more devices")
+    if t.fused_optimizer and self.zero is not None:
+      raise ValueError("train.fused_optimizer=True runs on one device (unsharded arrays); this "
+                       f"run has {parallel_describe(self.zero.mesh)}; use "
+                       "train.fused_optimizer false or one device")
+    self.fused_update = make_fused_update(
+        self.schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
+        clip_norm=t.gradient_clipping) if t.fused_optimizer else None
     if self.zero is not None:
       self.state = self.zero.shard_state(self.state)
     self.group_seconds = self._group_seconds()  # None: uniform split (no device_map)
@@ -177,7 +184,8 @@ class Trainer:
       self._steps[microbatches] = lambda state, batch: step(state, self.zero.shard_batch(batch))
     if microbatches not in self._steps:
       self._steps[microbatches] = jax.jit(guards.skip_nonfinite_steps(
-          make_train_step(self.model.apply, self.tx, microbatches)), donate_argnums=0)
+          make_train_step(self.model.apply, self.tx, microbatches,
+                          fused_update=self.fused_update)), donate_argnums=0)
     return self._steps[microbatches]
 
   def next_batch(self, step: int) -> np.ndarray:

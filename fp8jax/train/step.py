@@ -32,7 +32,8 @@ def _loss(apply_fn: Callable, variables, batch):
 
 def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microbatches: int = 1,
                     *, gather_params: Callable | None = None,
-                    reduce_gradients: Callable | None = None):
+                    reduce_gradients: Callable | None = None,
+                    fused_update: Callable | None = None):
   """A jittable ``step(state, batch) -> (state, metrics)``.
 
   Args:
@@ -43,6 +44,9 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
       all-gather, ``fp8jax.parallel.zero``); differentiable.
     reduce_gradients: optional ``grads -> grads`` applied to each microbatch's parameter
       gradients (ZeRO's all-reduce / reduce-scatter layout).
+    fused_update: optional ``(master, opt_state, grads, grad_norm) -> (master, opt_state)``
+      replacing `tx` plus ``apply_master_updates`` for FP16 master weights
+      (:func:`fp8jax.train.optimizer.make_fused_update`).
   Metrics: loss (mean over the batch), grad_norm (before clipping).
   """
   if microbatches < 1:
@@ -73,21 +77,27 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
 
     (loss_sum, acc), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), parts)
     acc = {**acc, "params": jax.tree.map(lambda g: g / microbatches, acc["params"])}
-    return apply_gradients(state, tx, acc, loss_sum / microbatches)
+    return apply_gradients(state, tx, acc, loss_sum / microbatches, fused_update)
 
   return step
 
 
-def apply_gradients(state: TrainState, tx: optax.GradientTransformation, grads, loss):
+def apply_gradients(state: TrainState, tx: optax.GradientTransformation, grads, loss,
+                    fused_update: Callable | None = None):
   """The update half of a step: ``(new_state, {"loss", "grad_norm"})``.
 
   `grads`: the step's gradient of all variables: mean parameter gradients under "params"
   and the FP8 state combined by max over microbatches under the FP8 collection.
+  `fused_update`: see :func:`make_train_step` (used for master weights only).
   """
   param_grads = grads["params"]
   grad_norm = optax.tree.norm(param_grads)
-  updates, opt_state = tx.update(param_grads, state.opt_state, state.model_params())
   fp8 = apply_fp8_updates(state.variables(), grads).get(FP8_COLLECTION, {})
+  if fused_update is not None and isinstance(state.params, MasterWeights):
+    new_params, opt_state = fused_update(state.params, state.opt_state, param_grads, grad_norm)
+    return (TrainState(state.step + 1, new_params, fp8, opt_state),
+            {"loss": loss, "grad_norm": grad_norm})
+  updates, opt_state = tx.update(param_grads, state.opt_state, state.model_params())
   if isinstance(state.params, MasterWeights):  # FP16 master weights: update in f32, re-round
     # The level's optimizer zeroes the updates of a step with non-finite gradients, so the
     # gradient norm decides finiteness (no second pass over the updates).
