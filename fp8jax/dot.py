@@ -4,7 +4,10 @@ Forward: both operands cast to the recipe's forward format (E4M3) and fed *as FP
 to ``lax.dot_general`` (XLA rewrites exactly that into a cuBLASLt FP8 GEMM on sm_89+).
 Backward: the output gradient cast to the backward format (E5M2); input gradient
 ``g x w^T`` and weight gradient ``x^T g`` are E5M2 x E4M3 FP8 GEMMs (never E5M2 x E5M2).
-The FP8 operands are the residuals, so saved activations take 1 byte per element.
+The FP8 operands are the residuals, so saved activations take 1 byte per element. The
+weight's cast (FP8 payload, scale, amax) is tagged ``checkpoint_name(.., WEIGHT_CAST_NAME)``:
+under ``jax.checkpoint`` / ``nn.remat`` with a policy that saves that name (see
+:data:`SAVE_FP8_WEIGHTS`) the backward's recomputation reuses it instead of casting again.
 
 With ``Recipe(fused_cast_transpose=True)`` (GPU, native FP8) activations and output gradients
 are cast by one fused kernel (:mod:`fp8jax.kernels.cast_transpose`) that also writes their
@@ -33,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from fp8jax import scaling
@@ -43,6 +47,10 @@ from fp8jax.scaling import Fp8Meta
 logger = logging.getLogger("fp8jax")
 _LOGGED: set[str] = set()
 _NATIVE_OUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+# checkpoint_name of each GEMM's weight cast: FP8 payload (1 byte per weight), scale, amax.
+WEIGHT_CAST_NAME = "fp8jax_weight"
+# Remat policy that saves the weight casts and recomputes everything else.
+SAVE_FP8_WEIGHTS = jax.checkpoint_policies.save_only_these_names(WEIGHT_CAST_NAME)
 
 
 class Fp8DotMeta(NamedTuple):
@@ -200,6 +208,18 @@ def _fused_reason(x_shape, x_dtype, g_shape, g_dtype, recipe: Recipe, native: bo
           or ct.kernel_reason(g_shape, g_dtype, recipe.bwd_format))
 
 
+def _name_weight_cast(qw, sw, aw):
+  """(qw, sw, aw) tagged WEIGHT_CAST_NAME; values unchanged.
+
+  The FP8 payload is tagged as its uint8 bits: remat rounds saved float residuals with
+  ``reduce_precision(finfo(dtype))``, whose IEEE-style E4M3 (max 240, with inf) turns
+  E4M3FN values above 240 into NaN.
+  """
+  bits = checkpoint_name(lax.bitcast_convert_type(qw, jnp.uint8), WEIGHT_CAST_NAME)
+  return (lax.bitcast_convert_type(bits, qw.dtype), checkpoint_name(sw, WEIGHT_CAST_NAME),
+          checkpoint_name(aw, WEIGHT_CAST_NAME))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _fp8_matmul(x, w, meta: Fp8DotMeta, cfg: _Config):
   """x[B?, M, K] @ w[B?, K, N] in FP8; returns (y[B?, M, N], meta)."""
@@ -217,6 +237,7 @@ def _fp8_matmul_fwd(x, w, meta: Fp8DotMeta, cfg: _Config):
   aw = scaling.compute_amax(w, cfg.amax_axes)
   sw = scaling.scale_for_cast(meta.kernel, aw, r, r.fwd_format)
   qw = scaling.quantize(w, sw, r.fwd_format)
+  qw, sw, aw = _name_weight_cast(qw, sw, aw)
   k_axis = x.ndim - 1
   y = _mm(qx, qw, (k_axis, k_axis - 1), sx * sw, cfg.out_dtype, cfg.native, True)
   new_in = scaling.update_meta(meta.input, ax, r, r.fwd_format)

@@ -6,7 +6,8 @@ multi-head attention (scores and softmax in f32) and a GELU or SwiGLU MLP. Every
 ``nn.DenseGeneral`` whose GEMM is :class:`fp8jax.linen.Fp8DotGeneral` when a recipe is given;
 embeddings, norms, softmax and the activation x activation attention matmuls stay in the
 compute dtype (BF16) / f32, as MS-AMP does. Layers run under ``nn.scan`` (parameters and FP8
-state stacked on a leading layer axis) and optionally ``nn.remat``.
+state stacked on a leading layer axis) and optionally ``nn.remat`` (which by default keeps
+the FP8 weight casts of the forward for the backward, see ``remat_save_fp8_weights``).
 
 Shapes: B batch, T sequence, D d_model, H heads, K head dim (D / H), F d_ff, V vocab.
 """
@@ -23,6 +24,7 @@ import numpy as np
 from jax import lax
 
 from fp8jax import FP8_COLLECTION, Recipe
+from fp8jax.dot import SAVE_FP8_WEIGHTS
 from fp8jax.linen import HEALTH_COLLECTION, PERTURBATIONS, Fp8DotGeneral
 
 MLPS = ("gelu", "swiglu")
@@ -45,6 +47,10 @@ class ModelConfig:
     mlp: "gelu" (F-wide hidden) or "swiglu" (F-wide gate and up projections).
     norm: "rmsnorm" or "layernorm" (both computed in f32).
     remat: recompute each layer's activations in the backward pass (``nn.remat``).
+    remat_save_fp8_weights: with remat, keep each FP8 GEMM's weight cast from the forward
+      (1 byte per weight, all layers) instead of casting the weights again in the
+      recomputation (``fp8jax.dot.SAVE_FP8_WEIGHTS``); bit-identical results. No effect
+      without remat or without a recipe.
     dtype: compute dtype name of activations and BF16 GEMMs ("bfloat16", "float32", ...).
     param_dtype: storage dtype name of parameters.
     tie_embeddings: the LM head reuses the embedding matrix (then it is a BF16 GEMM).
@@ -62,6 +68,7 @@ class ModelConfig:
   mlp: str = "gelu"
   norm: str = "rmsnorm"
   remat: bool = False
+  remat_save_fp8_weights: bool = True
   dtype: str = "bfloat16"
   param_dtype: str = "float32"
   tie_embeddings: bool = False
@@ -81,7 +88,7 @@ class ModelConfig:
     for name, allowed in (("mlp", MLPS), ("norm", NORMS), ("dtype", DTYPES),
                           ("param_dtype", PARAM_DTYPES), ("attention_impl", ATTENTION_IMPLS)):
       _check_choice(name, getattr(self, name), allowed)
-    for name in ("remat", "tie_embeddings"):
+    for name in ("remat", "remat_save_fp8_weights", "tie_embeddings"):
       if not isinstance(getattr(self, name), (bool, np.bool_)):
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not allowed; "
                          "use True or False")
@@ -262,7 +269,10 @@ class GPT(nn.Module):
 
   def _layers(self, deterministic: bool) -> nn.Module:
     """The n_layers blocks under nn.scan (and nn.remat when configured)."""
-    block = nn.remat(Block, prevent_cse=False) if self.config.remat else Block
+    block = Block
+    if self.config.remat:
+      policy = SAVE_FP8_WEIGHTS if self.config.remat_save_fp8_weights else None
+      block = nn.remat(Block, prevent_cse=False, policy=policy)
     stacked = {"params": 0, FP8_COLLECTION: 0, HEALTH_COLLECTION: 0, PERTURBATIONS: 0}
     scanned = nn.scan(block, variable_axes=stacked,
                       split_rngs={"params": True, "dropout": True},

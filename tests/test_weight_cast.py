@@ -1,0 +1,102 @@
+"""Remat keeps the forward's FP8 weight casts: half the weight casts and weight amax passes
+per microbatch, bit-identical loss and gradients."""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8jax
+from fp8jax.dot import SAVE_FP8_WEIGHTS
+from fp8jax.models import GPT, ModelConfig, init_model, next_token_loss
+
+CFG = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=16, remat=True)
+RECIPE = fp8jax.O1.recipe
+B, T = 2, 8  # activations are [16, D] / [16, F]: no weight has 16 rows
+# Each GEMM's weight as cast ([K, N]): qkv, attn out, fc_in, fc_out (per layer), head.
+WEIGHT_SHAPES = {(32, 96), (32, 32), (32, 64), (64, 32), (32, 256)}
+
+
+@functools.lru_cache(maxsize=None)
+def _loss_and_grads(save: bool):
+  """(variables, int32[B, T+1]) -> (loss, grads w.r.t. all variables), not jitted."""
+  model = GPT(CFG.replace(remat_save_fp8_weights=save), RECIPE)
+  loss_fn = lambda v, batch: next_token_loss(model.apply(v, batch[:, :-1]), batch[:, 1:])
+  return jax.value_and_grad(loss_fn)
+
+
+def _eqns(jaxpr):
+  """All equations of `jaxpr` and of the jaxprs nested in it (scan, remat, custom_vjp, ...)."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+        if hasattr(sub, "eqns"):
+          yield from _eqns(sub)
+
+
+def _weight_ops(save: bool, variables, batch):
+  """(FP8 casts, amax reductions) of weight-shaped arrays in the traced training gradient.
+
+  Each op inside the layer scan is counted once (it runs once per layer)."""
+  jaxpr = jax.make_jaxpr(_loss_and_grads(save))(variables, batch).jaxpr
+  casts = amaxes = 0
+  for eqn in _eqns(jaxpr):
+    shape = tuple(eqn.invars[0].aval.shape) if eqn.invars else ()
+    if shape not in WEIGHT_SHAPES:
+      continue
+    casts += (eqn.primitive.name == "convert_element_type"
+              and eqn.params["new_dtype"] == RECIPE.fwd_format)
+    amaxes += eqn.primitive.name == "reduce_max"
+  return casts, amaxes
+
+
+def _inputs(key):
+  k1, k2 = jax.random.split(key)
+  return init_model(CFG, RECIPE, k1, B, T), jax.random.randint(k2, (B, T + 1), 0, 256)
+
+
+def test_weight_casts_halve_under_remat(key):
+  variables, batch = _inputs(key)
+  # Off: 4 GEMMs per layer cast (and amax) their weight in the forward and again in the
+  # recomputation; the head (outside remat) once. On: the recomputation reuses the forward's.
+  assert _weight_ops(False, variables, batch) == (4 * 2 + 1, 4 * 2 + 1)
+  assert _weight_ops(True, variables, batch) == (4 + 1, 4 + 1)
+
+
+def test_saved_weight_casts_are_bit_identical_at_o1(key):
+  """Loss, parameter gradients and FP8 state updates are bit-identical with the option on
+  and off, over two steps (fresh state, then delayed scales) on fresh random tokens."""
+  variables, _ = _inputs(key)
+  off, on = jax.jit(_loss_and_grads(False)), jax.jit(_loss_and_grads(True))
+  for step in range(2):
+    batch = jax.random.randint(jax.random.fold_in(key, step), (B, T + 1), 0, 256)
+    (loss_off, g_off), (loss_on, g_on) = off(variables, batch), on(variables, batch)
+    assert np.isfinite(float(loss_off)) and float(loss_off) == float(loss_on)
+    for a, b in zip(jax.tree.leaves(g_off), jax.tree.leaves(g_on), strict=True):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert float(jnp.max(jnp.abs(g_on["params"]["layers"]["mlp"]["fc_in"]["kernel"]))) > 0
+    variables = fp8jax.apply_fp8_updates(variables, g_off)
+
+
+def test_dot_under_checkpoint_with_saved_weight_cast(key):
+  """SAVE_FP8_WEIGHTS on a bare dot: same gradients as no remat, no NaN. E4M3 weights above
+  240 would turn NaN if the payload were saved as a float (remat's reduce_precision)."""
+  k1, k2 = jax.random.split(key)
+  x, w = jax.random.normal(k1, (32, 64)), jax.random.normal(k2, (64, 48))
+  dn = (((1,), (0,)), ((), ()))
+  f = lambda x, w, m: jnp.sum(jnp.tanh(fp8jax.fp8_dot_general(x, w, dn, m, RECIPE)))
+  meta = fp8jax.init_dot_meta(RECIPE)
+  plain = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(x, w, meta)
+  saved = jax.jit(jax.value_and_grad(jax.checkpoint(f, policy=SAVE_FP8_WEIGHTS),
+                                     argnums=(0, 1, 2)))(x, w, meta)
+  for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(saved), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("value", ["yes", 1])
+def test_bad_option_raises(value):
+  with pytest.raises(ValueError, match=f"remat_save_fp8_weights={value!r} is not allowed"):
+    CFG.replace(remat_save_fp8_weights=value)
