@@ -134,7 +134,7 @@ def test_fused_update_with_clipping_matches_chain():
     norm = optax.tree.norm(g)
     assert float(norm) > 2 * clip  # clipping is active
     m_ref, s_ref = composed(g, state, master)
-    m_f, s_f = fused(master, state, g, norm)
+    m_f, s_f = fused(master, state, g, jnp.isfinite(norm), norm)
     _check_close(m_ref, s_ref, m_f, s_f)
     master, state = m_ref, s_ref
   assert int(m_f.count) == 3
@@ -214,3 +214,20 @@ def test_trainer_fused_optimizer_tracks_the_composed_path():
     with pytest.raises(ValueError, match=what):
       load_config("configs/tiny.yaml", ["train.opt_level=O2", "train.fused_optimizer=true"]
                   + bad)
+
+
+@pytest.mark.parametrize("fp8_grads", [True, False])
+def test_fused_step_with_finite_false_changes_nothing(fp8_grads):
+  """finite=False (say the loss overflowed while the gradients are finite) skips the step,
+  which is what lets the Trainer's guard take the fused update's state without a select."""
+  params = _tree(jax.random.key(3), 0.05)
+  tx = fo.adamw(LR, weight_decay=0.1)
+  master, state = fo.init_master(params), tx.init(params)
+  g = _tree(jax.random.key(4), 1e-3)
+  if fp8_grads:
+    g = fo.quantize_updates(g)
+  m2, s2 = jax.jit(lambda g, s, m: adamw_master_step(
+      g, s, m, learning_rate=LR, weight_decay=0.1, finite=jnp.bool_(False),
+      interpret=True))(g, state, master)
+  for a, b in zip(jax.tree.leaves((master, state)), jax.tree.leaves((m2, s2))):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

@@ -51,10 +51,10 @@ def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1:
       ``(ScaleByAdamState, decay state, learning-rate state)``).
     master: FP16 master weights (:func:`fp8jax.optim.init_master`), every leaf scaled.
     learning_rate, b1, b2, eps, weight_decay, mask: as given to ``fp8jax.optim.adamw``.
-    finite: bool[], whether the gradients are all finite (e.g. from the clipping norm). It
-      goes to ``apply_master_updates`` as `finite`; when every gradient is scaled it also
-      replaces the optimizer's own check, so the step reads nothing before the kernels.
-      Default: the gradients' amaxes are read to check (what the optimizer does).
+    finite: bool[]; False skips the step (nothing changes), e.g. the clipping norm's or the
+      loss's finiteness. When every gradient is scaled it replaces the optimizer's own check,
+      so the step reads nothing before the kernels; otherwise both must pass. Default: the
+      gradients' amaxes are read to check (what the optimizer does).
     grad_scale: optional f32[] the gradients are multiplied by first (global-norm clipping's
       factor), folded into the per-tensor scalars: no pass over the gradients.
     interpret: run the kernel through Pallas' interpreter (tests on CPU).
@@ -83,7 +83,9 @@ def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1:
   else:
     amax_g = amaxes(g_leaves)
     ok = jnp.all(jnp.isfinite(amax_g))
-  ok_w = ok if finite is None else jnp.asarray(finite, jnp.bool_)
+    if finite is not None:
+      ok = ok & jnp.asarray(finite, jnp.bool_)
+  ok_w = ok
   mu_old = jnp.stack([mu.scale for mu in mus]) if mus else jnp.zeros((0,))
   nu_old = jnp.stack([nu.scale for nu in nus]) if nus else jnp.zeros((0,))
   mu_dtype = mus[0].data.dtype if mus else jnp.float8_e4m3fn

@@ -36,18 +36,22 @@ logger = logging.getLogger("fp8jax")
 STALL_EXIT_CODE = 75  # the process stalled (heartbeat); a supervisor should restart it
 
 
-def skip_nonfinite_steps(step_fn: Callable) -> Callable:
+def skip_nonfinite_steps(step_fn: Callable, skipped_inside: tuple[str, ...] = ()) -> Callable:
   """``step_fn(state, batch) -> (state, metrics)`` that skips non-finite steps.
 
   `metrics` must hold ``loss`` and ``grad_norm`` (the global gradient norm: non-finite iff
   some gradient is, or the norm overflows). Returns the same signature; ``metrics`` gains
   ``skipped`` (bool[]). A skipped step returns the input state with ``step`` + 1.
+  `skipped_inside`: state fields that `step_fn` itself leaves unchanged on such a step (the
+  fused optimizer does); they are taken as returned, so their old buffers need not outlive
+  the update (no copy, no select pass).
   """
 
   def guarded(state, *batch):
     new_state, metrics = step_fn(state, *batch)
     ok = all_finite((metrics["loss"], metrics["grad_norm"]))
-    kept = state._replace(step=new_state.step)
+    kept = state._replace(step=new_state.step,
+                          **{f: getattr(new_state, f) for f in skipped_inside})
     return select_tree(ok, new_state, kept), {**metrics, "skipped": jnp.logical_not(ok)}
 
   return guarded

@@ -183,9 +183,11 @@ class Trainer:
                                   wrap=guards.skip_nonfinite_steps)
       self._steps[microbatches] = lambda state, batch: step(state, self.zero.shard_batch(batch))
     if microbatches not in self._steps:
+      inside = ("params", "opt_state") if self.fused_update is not None else ()
       self._steps[microbatches] = jax.jit(guards.skip_nonfinite_steps(
           make_train_step(self.model.apply, self.tx, microbatches,
-                          fused_update=self.fused_update)), donate_argnums=0)
+                          fused_update=self.fused_update), skipped_inside=inside),
+          donate_argnums=0)
     return self._steps[microbatches]
 
   def next_batch(self, step: int) -> np.ndarray:

@@ -37,21 +37,21 @@ def make_optimizer(schedule, *, b1: float, b2: float, eps: float, weight_decay: 
 
 def make_fused_update(schedule, *, b1: float, b2: float, eps: float, weight_decay: float,
                       clip_norm: float):
-  """``update(master, opt_state, grads, grad_norm) -> (master, opt_state)``: what
+  """``update(master, opt_state, grads, finite, grad_norm) -> (master, opt_state)``: what
   :func:`make_optimizer` at O2 followed by ``apply_master_updates`` computes, through
   :func:`fp8jax.optim.fused.adamw_master_step` (one kernel per tensor on a GPU; the clipping
-  factor and the finiteness check come from `grad_norm`, so nothing else reads the arrays).
+  factor comes from `grad_norm`). A step with `finite` False (bool[]) changes nothing.
   `opt_state` has :func:`make_optimizer`'s structure, so either path resumes the other's."""
   from fp8jax.optim.fused import adamw_master_step
 
-  def update(master, opt_state, grads, grad_norm):
+  def update(master, opt_state, grads, finite, grad_norm):
     adam_state = opt_state[1] if clip_norm > 0 else opt_state
     factor = None
     if clip_norm > 0:  # optax.clip_by_global_norm's rule, as one scalar
       factor = jnp.where(grad_norm < clip_norm, 1.0, clip_norm / grad_norm)
     new_master, new_adam = adamw_master_step(
         grads, adam_state, master, learning_rate=schedule, b1=b1, b2=b2, eps=eps,
-        weight_decay=weight_decay, mask=decay_mask, finite=jnp.isfinite(grad_norm),
+        weight_decay=weight_decay, mask=decay_mask, finite=finite,
         grad_scale=factor)
     return new_master, ((opt_state[0], new_adam) if clip_norm > 0 else new_adam)
 

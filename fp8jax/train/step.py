@@ -44,9 +44,10 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
       all-gather, ``fp8jax.parallel.zero``); differentiable.
     reduce_gradients: optional ``grads -> grads`` applied to each microbatch's parameter
       gradients (ZeRO's all-reduce / reduce-scatter layout).
-    fused_update: optional ``(master, opt_state, grads, grad_norm) -> (master, opt_state)``
-      replacing `tx` plus ``apply_master_updates`` for FP16 master weights
-      (:func:`fp8jax.train.optimizer.make_fused_update`).
+    fused_update: optional ``(master, opt_state, grads, finite, grad_norm) -> (master,
+      opt_state)`` replacing `tx` plus ``apply_master_updates`` for FP16 master weights
+      (:func:`fp8jax.train.optimizer.make_fused_update`); `finite` (bool[]): loss and
+      gradient norm are finite, else the update changes nothing.
   Metrics: loss (mean over the batch), grad_norm (before clipping).
   """
   if microbatches < 1:
@@ -94,7 +95,10 @@ def apply_gradients(state: TrainState, tx: optax.GradientTransformation, grads, 
   grad_norm = optax.tree.norm(param_grads)
   fp8 = apply_fp8_updates(state.variables(), grads).get(FP8_COLLECTION, {})
   if fused_update is not None and isinstance(state.params, MasterWeights):
-    new_params, opt_state = fused_update(state.params, state.opt_state, param_grads, grad_norm)
+    # It skips a step whose loss or gradients are not finite by itself (nothing changes).
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    new_params, opt_state = fused_update(state.params, state.opt_state, param_grads, finite,
+                                         grad_norm)
     return (TrainState(state.step + 1, new_params, fp8, opt_state),
             {"loss": loss, "grad_norm": grad_norm})
   updates, opt_state = tx.update(param_grads, state.opt_state, state.model_params())
