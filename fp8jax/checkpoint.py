@@ -202,8 +202,8 @@ class CheckpointManager:
   def _fresh(self, step: int, name: str, given, target):
     """Field `name` that checkpoint `step` lacks: the given state's value on its sharding."""
     if given is None or any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(given)):
-      raise MissingField(f"checkpoint step {step} in {self.directory} has no {name!r}; pass a "
-                       f"state with arrays for {name!r} to start it fresh")
+      raise MissingField(f"checkpoint step {step} in {self.directory} has no {name!r}; pass "
+                         f"a state with arrays for {name!r} to start it fresh")
     logger.warning("checkpoint step %d has no %r: it starts from the given state's value",
                    step, name)
     return jax.device_put(given, jax.tree.map(lambda t: t.sharding, target))

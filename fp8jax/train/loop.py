@@ -248,7 +248,7 @@ class Trainer:
         self._after_step(step, m, bf16_loss, writer)
         heartbeat.beat()
         losses.append(m["loss"])
-        if "comm_pre_scale_min" in m:
+        if "comm_pre_scale_min" in m and not bool(m["skipped"]):  # a skip keeps the state
           comm.append((m["comm_pre_scale_min"], m["comm_saturated_max"]))
         tokens += batch.shape[0] * (batch.shape[1] - 1)
         last = step + 1 == t.steps
