@@ -22,7 +22,7 @@ A state that is a NamedTuple may gain or lose fields between the run that saved 
 that restores (e.g. ``TrainState.comm``, the FP8 grad-comm scaling state, absent from
 checkpoints written before it existed or by runs with ``grad_comm_scaling=current``): a field
 with arrays in the target but none on disk keeps the given state's value (placed on its
-target sharding), and saved arrays of a field that is empty in the target are not read.
+target sharding), and saved arrays of a field that is empty in the target are dropped.
 """
 from __future__ import annotations
 
