@@ -17,11 +17,18 @@ file) is reported, moved aside to ``damaged-<step>`` and the previous one is use
 Restore takes target shardings (a pytree of ``jax.sharding.Sharding`` shaped like the
 state; default: the given state's own), so a checkpoint saved on 8 devices under one
 sharding restores onto 4 or 1 devices under another.
+
+A state that is a NamedTuple may gain or lose fields between the run that saved and the one
+that restores (e.g. ``TrainState.comm``, the FP8 grad-comm scaling state, absent from
+checkpoints written before it existed or by runs with ``grad_comm_scaling=current``): a field
+with arrays in the target but none on disk keeps the given state's value (placed on its
+target sharding), and saved arrays of a field that is empty in the target are dropped.
 """
 from __future__ import annotations
 
 import logging
 import os
+import pathlib
 import time
 from typing import Any, NamedTuple
 
@@ -61,6 +68,42 @@ def abstract_state(state, shardings=None):
     shardings = jax.tree.map(lambda x: x.sharding, state)
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                       state, shardings)
+
+
+class MissingField(ValueError):
+  """A checkpoint lacks a state field and the given state has no value to start it from."""
+
+
+def _fit_fields(target, saved) -> tuple[dict, list[str]] | None:
+  """How NamedTuple `target` restores from a checkpoint whose saved tree is `saved`: (the
+  restore item by field, the fields to take from the given state); None when it fits as is."""
+  if not (isinstance(target, tuple) and hasattr(target, "_fields") and isinstance(saved, dict)):
+    return None
+  has = lambda tree: bool(jax.tree.leaves(tree))
+  leaf = next((x for x in jax.tree.leaves(target)
+               if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)), None)
+  replicated = (jax.sharding.NamedSharding(leaf.sharding.mesh, jax.sharding.PartitionSpec())
+                if leaf is not None else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+  skip = lambda tree: jax.tree.map(  # read (orbax restores whole trees only), then dropped
+      lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=replicated), tree)
+  read, fill = {}, []
+  for f in target._fields:
+    want = getattr(target, f)
+    if f in saved and has(want) == has(saved[f]):
+      read[f] = want
+    elif has(want):
+      fill.append(f)
+      if f in saved:
+        read[f] = saved[f]  # an empty tree
+    elif f in saved:
+      read[f] = skip(saved[f])
+  for f in saved:
+    if f not in target._fields:
+      read[f] = skip(saved[f])
+  if not fill and set(read) == set(target._fields) and \
+      all(read[f] is getattr(target, f) for f in read):
+    return None
+  return read, fill
 
 
 class CheckpointManager:
@@ -125,10 +168,12 @@ class CheckpointManager:
     """
     target = abstract_state(state, shardings)
     if step is not None:
-      return self._restore(step, target)
+      return self._restore(step, target, state)
     for candidate in reversed(self.steps()):
       try:
-        return self._restore(candidate, target)
+        return self._restore(candidate, target, state)
+      except MissingField:
+        raise
       except Exception as e:  # orbax raises many types for unreadable files
         logger.warning("checkpoint step %d in %s is damaged and was skipped (%s: %s); "
                        "trying the previous one", candidate, self.directory,
@@ -136,11 +181,42 @@ class CheckpointManager:
         self._set_aside(candidate)
     return None
 
-  def _restore(self, step: int, target) -> Restored:
-    args = ocp.args.Composite(state=ocp.args.StandardRestore(target),
+  def _restore(self, step: int, target, state=None) -> Restored:
+    fit = _fit_fields(target, self._saved_tree(step))
+    item = target if fit is None else fit[0]
+    args = ocp.args.Composite(state=ocp.args.StandardRestore(item),
                               meta=ocp.args.JsonRestore())
     out = self._manager.restore(step, args=args)
-    return Restored(step, out["state"], dict(out["meta"]))
+    restored = out["state"]
+    if fit is not None:
+      fields = {}
+      for f in target._fields:
+        want = getattr(target, f)
+        if f in fit[1]:
+          fields[f] = self._fresh(step, f, getattr(state, f), want)
+        else:
+          fields[f] = restored[f] if item.get(f) is want else want
+      restored = type(target)(**fields)
+    return Restored(step, restored, dict(out["meta"]))
+
+  def _fresh(self, step: int, name: str, given, target):
+    """Field `name` that checkpoint `step` lacks: the given state's value on its sharding."""
+    if given is None or any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(given)):
+      raise MissingField(f"checkpoint step {step} in {self.directory} has no {name!r}; pass "
+                         f"a state with arrays for {name!r} to start it fresh")
+    logger.warning("checkpoint step %d has no %r: it starts from the given state's value",
+                   step, name)
+    return jax.device_put(given, jax.tree.map(lambda t: t.sharding, target))
+
+  def _saved_tree(self, step: int):
+    """The saved state's metadata tree of `step` (None when unreadable)."""
+    try:
+      md = ocp.StandardCheckpointHandler().metadata(
+          pathlib.Path(self.directory, str(step), "state"))
+    except Exception:  # the restore itself reports unreadable checkpoints
+      return None
+    tree = getattr(md, "item_metadata", md)
+    return getattr(tree, "tree", tree)
 
   def _set_aside(self, step: int) -> None:
     """Renames a damaged step directory so it is neither restored again nor overwritten."""
@@ -161,4 +237,4 @@ class CheckpointManager:
     self.close()
 
 
-__all__ = ["CheckpointManager", "Restored", "abstract_state"]
+__all__ = ["CheckpointManager", "MissingField", "Restored", "abstract_state"]

@@ -35,6 +35,7 @@ NOT_BUILT_YET = (
 )
 
 BYTE_VOCAB = 256  # text sources are byte-level: tokens 0..255
+GRAD_COMM_GROWTH_INTERVAL = 1000  # FP8-LM: clean steps before the comm pre-scale doubles
 
 
 # ----------------------------------------------------------------------------- value rules
@@ -354,6 +355,12 @@ class ParallelSection(_Section):
   # step, fp8jax.train.balanced), "native" (XLA reduces in the gradients' dtype), "auto" (=
   # native for now; see Config.grad_comm).
   grad_comm: str = _field("auto", _one_of("auto", "fp8", "native"))
+  # Scale of the FP8 gradient wire: "current" (this step's amax, nothing saturates) or "auto"
+  # (FP8-LM automatic scaling: previous amax / pre-scale, the pre-scale halved above 0.001%
+  # saturated values and doubled after `grad_comm_growth_interval` clean steps, default 1000;
+  # the state is part of the train state and its checkpoints).
+  grad_comm_scaling: str = _field("current", _one_of("current", "auto"))
+  grad_comm_growth_interval: int | None = _field(None, _ge(1))
 
   def _check(self):
     from fp8jax.parallel import device_map
@@ -474,8 +481,21 @@ class Config(_Section):
     1.3B; benchmarks/zero_gpu.py --levels O0,O3,O3:fp8)."""
     return "fp8" if self.parallel.grad_comm == "fp8" else "native"
 
+  def grad_comm_growth_interval(self) -> int:
+    """Clean steps before automatic scaling doubles the pre-scale (default 1000, FP8-LM's)."""
+    g = self.parallel.grad_comm_growth_interval
+    return GRAD_COMM_GROWTH_INTERVAL if g is None else g
+
   def _check_grad_comm(self):
     p = self.parallel
+    if p.grad_comm_scaling == "auto" and self.grad_comm() != "fp8":
+      _fail(f"parallel.grad_comm_scaling='auto' needs FP8 gradient communication but "
+            f"parallel.grad_comm={p.grad_comm!r} (= native); set parallel.grad_comm=fp8, or "
+            f"parallel.grad_comm_scaling 'current'")
+    if p.grad_comm_growth_interval is not None and p.grad_comm_scaling != "auto":
+      _fail(f"parallel.grad_comm_growth_interval={p.grad_comm_growth_interval} only applies "
+            f"to parallel.grad_comm_scaling='auto' (this config has "
+            f"{p.grad_comm_scaling!r}); set grad_comm_scaling=auto or remove it")
     if p.grad_comm != "fp8":
       return
     why = None

@@ -125,7 +125,8 @@ def state_shardings(state: TrainState, mesh: Mesh, stage: int, *,
   opt = (sharded(state.opt_state, mesh, axes, HOST_MEMORY if offload else None, rules)
          if stage >= 1 else replicated(state.opt_state, mesh, rules))
   fp8 = jax.tree.map(lambda _: NamedSharding(mesh, P()), state.fp8)  # scalars, histories
-  return TrainState(NamedSharding(mesh, P()), params, fp8, opt)
+  comm = jax.tree.map(lambda _: NamedSharding(mesh, P()), state.comm)  # grad-comm scaling
+  return TrainState(NamedSharding(mesh, P()), params, fp8, opt, comm)
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

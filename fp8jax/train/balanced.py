@@ -33,6 +33,15 @@ and the replicated parameter update of stage 1) XLA all-gathers the reduced f32 
 second FP8 rounding there would double the error for a quarter of the gather bytes. Leaves
 with fewer than 2 dimensions (norm scales, biases) or no divisible dimension are added with
 an f32 ``psum`` (a negligible share of the bytes).
+
+`comm_scaling="auto"` (``parallel.grad_comm_scaling=auto``) casts with delayed scales instead:
+FP8-LM's automatic scaling (:func:`fp8jax.parallel.collectives.fp8_reduce_scatter_auto`), the
+previous step's agreed amax divided by a pre-scale that halves when more than 0.001% of a
+tensor's values saturate and doubles after `growth_interval` clean steps. Its
+:class:`~fp8jax.parallel.collectives.CommScaling` (one entry per parameter leaf, in
+``jax.tree.leaves`` order; leaves that take the f32 ``psum`` keep their initial entry) is
+``state.comm``, replicated, updated by the step like the FP8 GEMM state (a skipped non-finite
+step leaves it as it was).
 """
 from __future__ import annotations
 
@@ -48,7 +57,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fp8jax.accumulate import accumulate_gradients
-from fp8jax.parallel.collectives import fp8_reduce_scatter_tree
+from fp8jax.parallel.collectives import (CommScaling, fp8_reduce_scatter_auto,
+                                         fp8_reduce_scatter_tree, init_comm_scaling)
 from fp8jax.scaling import combine_max
 from fp8jax.train.state import TrainState
 from fp8jax.train.step import apply_gradients, cross_entropy
@@ -112,6 +122,7 @@ def _mean_loss(apply_fn: Callable, variables, part):
 
 
 GRAD_COMM = ("native", "fp8")
+COMM_SCALING = ("current", "auto")
 
 
 def fp8_scatter_dim(shape, n: int) -> int | None:
@@ -136,9 +147,24 @@ def _grad_specs(params, axes: tuple[str, ...], n: int):
   return jax.tree.map(one, params)
 
 
-def _fp8_reduce(params, axes: tuple[str, ...]):
+def init_grad_comm_scaling(params) -> CommScaling:
+  """The ``state.comm`` of ``comm_scaling="auto"`` for model parameters `params` (arrays or
+  shapes): one observed-nothing entry per leaf."""
+  return init_comm_scaling(len(jax.tree.leaves(params)))
+
+
+def _fp8_leaves(params, n: int) -> list[int]:
+  """Indices (``jax.tree.leaves`` order) of the leaves that go through FP8 over `n` groups."""
+  return [i for i, x in enumerate(jax.tree.leaves(params))
+          if fp8_scatter_dim(np.shape(x), n) is not None]
+
+
+def _fp8_reduce(params, axes: tuple[str, ...], comm: CommScaling | None = None,
+                growth_interval: int = 1000):
   """Sums over the groups of the parameter gradients `params` (f32 local sums): FP8
-  reduce-scatter to this group's chunk where :func:`fp8_scatter_dim` allows, f32 psum else."""
+  reduce-scatter to this group's chunk where :func:`fp8_scatter_dim` allows, f32 psum else.
+  Current scaling when `comm` is None, else automatic scaling from `comm` (one entry per leaf).
+  Returns (reduced tree, new comm)."""
   leaves, treedef = jax.tree.flatten(params)
   n = int(np.prod([lax.axis_size(a) for a in axes]))
   dims = [fp8_scatter_dim(x.shape, n) for x in leaves]
@@ -146,7 +172,13 @@ def _fp8_reduce(params, axes: tuple[str, ...]):
   out = list(leaves)
   if fp8_idx:  # one all_to_all (and one pmax of f32[L]) for all of them
     moved = [jnp.moveaxis(leaves[i].astype(jnp.float32), dims[i], 0) for i in fp8_idx]
-    chunks = fp8_reduce_scatter_tree(moved, axes, scatter_dimension=0)
+    if comm is None:
+      chunks = fp8_reduce_scatter_tree(moved, axes, scatter_dimension=0)
+    else:
+      idx = np.asarray(fp8_idx)
+      chunks, sub = fp8_reduce_scatter_auto(moved, axes, jax.tree.map(lambda a: a[idx], comm),
+                                            growth_interval=growth_interval)
+      comm = jax.tree.map(lambda a, b: a.at[idx].set(b), comm, sub)
     for i, c in zip(fp8_idx, chunks):
       out[i] = jnp.moveaxis(c, 0, dims[i]).astype(leaves[i].dtype)
   rest = [i for i, d in enumerate(dims) if d is None]
@@ -154,11 +186,11 @@ def _fp8_reduce(params, axes: tuple[str, ...]):
     summed = lax.psum([leaves[i] for i in rest], axes)
     for i, x in zip(rest, summed):
       out[i] = x
-  return jax.tree.unflatten(treedef, out)
+  return jax.tree.unflatten(treedef, out), comm
 
 
-def _local_grads(apply_fn: Callable, axes: tuple[str, ...], grad_comm: str, variables, batch,
-                 counts, repeats):
+def _local_grads(apply_fn: Callable, axes: tuple[str, ...], grad_comm: str,
+                 growth_interval: int, variables, batch, counts, repeats, comm):
   """One group's loop over its microbatches, then the one cross-group reduction."""
   batch, count, repeat = batch[0], counts[0], repeats[0]
   grad_fn = jax.value_and_grad(functools.partial(_mean_loss, apply_fn))
@@ -187,7 +219,7 @@ def _local_grads(apply_fn: Callable, axes: tuple[str, ...], grad_comm: str, vari
   # gradient by its tokens is dividing the sum by the step's microbatch count.
   total, loss_sum = lax.psum((count.astype(jnp.float32), loss_sum), axes)
   if grad_comm == "fp8":
-    params = _fp8_reduce(acc["params"], axes)
+    params, comm = _fp8_reduce(acc["params"], axes, comm if comm else None, growth_interval)
   else:
     params = lax.psum(acc["params"], axes)
   params = jax.tree.map(lambda g: g / total.astype(g.dtype), params)
@@ -199,12 +231,13 @@ def _local_grads(apply_fn: Callable, axes: tuple[str, ...], grad_comm: str, vari
     merged = functools.reduce(combine_max, [jax.tree.map(lambda x: x[j], stacked)
                                             for j in range(groups)])
     grads = {**merged, "params": params}
-  return grads, loss_sum / total
+  return grads, loss_sum / total, comm
 
 
 def make_balanced_train_step(apply_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh,
                              axes: Sequence[str] = ("data", "fsdp"), *,
-                             grad_comm: str = "native"):
+                             grad_comm: str = "native", comm_scaling: str = "current",
+                             growth_interval: int = 1000):
   """A jittable ``step(state, batch, counts, repeats=None) -> (state, metrics)``.
 
   Args:
@@ -213,13 +246,27 @@ def make_balanced_train_step(apply_fn: Callable, tx: optax.GradientTransformatio
     mesh: the device mesh; groups are the devices along `axes` (other axes replicate).
     grad_comm: "native" (f32 psum of the groups' gradient sums) or "fp8" (FP8 reduce-scatter
       to the ZeRO layout, module docstring).
+    comm_scaling: scales of the FP8 wire: "current" or "auto" (FP8-LM automatic scaling
+      from ``state.comm``, see :func:`init_grad_comm_scaling`; needs grad_comm "fp8").
+    growth_interval: clean steps before "auto" doubles a pre-scale.
   The step's arguments: batch int32[G, n, m, T+1] and counts int32[G] (module docstring),
   sharded over the groups; `repeats` int32[G] (optional) adds that many extra forward+backward
   passes per microbatch on each group (a slowdown hook: same program, different data).
-  Metrics: loss (mean over the step's tokens), grad_norm (before clipping).
+  Metrics: loss (mean over the step's tokens), grad_norm (before clipping); with "auto" also
+  comm_pre_scale_min (smallest pre-scale after the update) and comm_saturated_max (largest
+  saturated fraction of this step) over the FP8 leaves.
   """
   if grad_comm not in GRAD_COMM:
     raise ValueError(f"grad_comm={grad_comm!r} is not allowed; use one of {list(GRAD_COMM)}")
+  if comm_scaling not in COMM_SCALING:
+    raise ValueError(f"comm_scaling={comm_scaling!r} is not allowed; use one of "
+                     f"{list(COMM_SCALING)}")
+  if comm_scaling == "auto" and grad_comm != "fp8":
+    raise ValueError(f"comm_scaling='auto' needs grad_comm='fp8', got grad_comm={grad_comm!r}")
+  if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or \
+      growth_interval < 1:
+    raise ValueError(f"growth_interval={growth_interval!r} is not allowed; use an int >= 1")
+  auto = comm_scaling == "auto"
   axes = group_axes(mesh, axes)
   spec = P(axes)
   n = group_count(mesh, axes)
@@ -228,15 +275,28 @@ def make_balanced_train_step(apply_fn: Callable, tx: optax.GradientTransformatio
     if repeats is None:
       repeats = jnp.zeros_like(counts)
     variables = state.variables()
+    comm = state.comm if auto else ()
+    if auto:
+      want = jax.tree.leaves(variables["params"])
+      if not isinstance(comm, CommScaling) or jnp.shape(comm.amax) != (len(want),):
+        raise ValueError(f"comm_scaling='auto' needs state.comm = CommScaling of shape "
+                         f"[{len(want)}] (one entry per parameter leaf), got "
+                         f"{jax.tree.map(jnp.shape, comm)}; use init_grad_comm_scaling(params)")
     grad_spec = P()
     if grad_comm == "fp8":
       grad_spec = {k: P() for k in variables}
       grad_spec["params"] = _grad_specs(variables["params"], axes, n)
-    local = functools.partial(_local_grads, apply_fn, axes, grad_comm)
-    grads, loss = jax.shard_map(local, mesh=mesh, in_specs=(P(), spec, spec, spec),
-                                out_specs=(grad_spec, P()), check_vma=False)(
-        variables, batch, counts, repeats)
-    return apply_gradients(state, tx, grads, loss)
+    local = functools.partial(_local_grads, apply_fn, axes, grad_comm, growth_interval)
+    grads, loss, comm = jax.shard_map(local, mesh=mesh, in_specs=(P(), spec, spec, spec, P()),
+                                      out_specs=(grad_spec, P(), P()), check_vma=False)(
+        variables, batch, counts, repeats, comm)
+    new, metrics = apply_gradients(state, tx, grads, loss)
+    if not auto:
+      return new, metrics
+    idx = np.asarray(_fp8_leaves(variables["params"], n) or [0])
+    metrics = {**metrics, "comm_pre_scale_min": jnp.min(comm.pre_scale[idx]),
+               "comm_saturated_max": jnp.max(comm.saturated[idx])}
+    return new._replace(comm=comm), metrics
 
   return step
 

@@ -86,7 +86,11 @@ class Trainer:
 
   def _init_state(self) -> TrainState:
     t, d = self.config.train, self.config.data
-    return init_state(self.model, self.tx, self.level, t.microbatch_size, d.seq_len, t.seed)
+    state = init_state(self.model, self.tx, self.level, t.microbatch_size, d.seq_len, t.seed)
+    if self.config.parallel.grad_comm_scaling == "auto":  # FP8-LM automatic comm scaling
+      state = state._replace(comm=balanced.init_grad_comm_scaling(
+          jax.eval_shape(state.model_params)))
+    return state
 
   def _zero_plan(self):
     """The ZeRO plan over all devices when the run shards (stage > 0, tensor parallelism,
@@ -132,8 +136,10 @@ class Trainer:
     mesh = self.zero.mesh
     sharding = balanced.batch_sharding(mesh)
     return jax.jit(guards.skip_nonfinite_steps(
-        balanced.make_balanced_train_step(self.model.apply, self.tx, mesh,
-                                          grad_comm=self.grad_comm)),
+        balanced.make_balanced_train_step(
+            self.model.apply, self.tx, mesh, grad_comm=self.grad_comm,
+            comm_scaling=self.config.parallel.grad_comm_scaling,
+            growth_interval=self.config.grad_comm_growth_interval())),
         in_shardings=(self.zero.state, sharding, sharding),
         out_shardings=(self.zero.state, jax.sharding.NamedSharding(mesh, P())),
         donate_argnums=0, compiler_options=self.zero.compiler_options or None)
@@ -203,12 +209,12 @@ class Trainer:
               for _ in range(t.eval_batches)]
     return float(np.mean(losses))
 
-  def _log_window(self, step, losses, tokens, seconds, grad_norm) -> dict:
+  def _log_window(self, step, losses, tokens, seconds, grad_norm, comm=()) -> dict:
     tokens_per_s = tokens / max(seconds, 1e-9)
     out = {"loss": float(np.mean(losses)), "grad_norm": grad_norm,
            "lr": float(self.schedule(step)), "tokens_per_s": tokens_per_s,
            "mfu": metrics_lib.mfu(self.flops_per_token, tokens_per_s, self.fp8_peak),
-           **metrics_lib.memory_in_use()}
+           **metrics_lib.memory_in_use(), **metrics_lib.comm_scaling(comm)}
     if self.state.fp8:
       out.update(metrics_lib.fp8_health(self.state.fp8, self.level.recipe))
     return out
@@ -241,7 +247,7 @@ class Trainer:
           f"({state_bytes:.2f} bytes/param of weights + optimizer state), {t.steps} steps, "
           f"data: {self.data.description}; logs: {os.path.abspath(self.run_dir)}")
     final: dict[str, Any] = {}
-    losses, tokens, t0 = [], 0, time.perf_counter()
+    losses, comm, tokens, t0 = [], [], 0, time.perf_counter()
     with _progress(t.steps, self.progress) as advance, guards.Preemption() as preemption, \
         self._heartbeat() as heartbeat:
       advance(start, None)
@@ -252,16 +258,18 @@ class Trainer:
         self._after_step(step, m, bf16_loss, writer)
         heartbeat.beat()
         losses.append(m["loss"])
+        if "comm_pre_scale_min" in m and not bool(m["skipped"]):  # a skip keeps the state
+          comm.append((m["comm_pre_scale_min"], m["comm_saturated_max"]))
         tokens += batch.shape[0] * (batch.shape[1] - 1)
         last = step + 1 == t.steps
         if (step + 1) % t.log_every == 0 or last:
           losses = [float(x) for x in losses]  # waits for the device
           window = self._log_window(step, losses, tokens, time.perf_counter() - t0,
-                                    float(m["grad_norm"]))
+                                    float(m["grad_norm"]), comm)
           writer.write(step + 1, window)
           final.update(window)
           advance(0, window)
-          losses, tokens, t0 = [], 0, time.perf_counter()
+          losses, comm, tokens, t0 = [], [], 0, time.perf_counter()
         if self._health is not None and t.fp8_health_every and (
             (step + 1) % t.fp8_health_every == 0 or last):
           probe = batch[:t.microbatch_size]

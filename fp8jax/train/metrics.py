@@ -87,6 +87,16 @@ def fp8_health(fp8_state, recipe) -> dict[str, float]:
   return out
 
 
+def comm_scaling(window) -> dict[str, float]:
+  """FP8 gradient-comm automatic scaling over a log window of steps' (smallest pre-scale,
+  largest saturated fraction) pairs: ``comm/pre_scale_min`` (the window's smallest; < 1 means
+  a recent backoff) and ``comm/saturated_max`` (the window's largest, threshold 1e-5)."""
+  if not window:
+    return {}
+  pre, sat = np.asarray([[float(p), float(s)] for p, s in window]).T
+  return {"comm/pre_scale_min": float(pre.min()), "comm/saturated_max": float(sat.max())}
+
+
 class MetricWriter:
   """Writes scalars to `run_dir/metrics.jsonl` and TensorBoard event files in `run_dir`."""
 

@@ -20,12 +20,16 @@ class TrainState(NamedTuple):
     fp8: the model's FP8 collection ({} when the model has no FP8 GEMMs); never seen by
       the optimizer, replaced by its updated value every step.
     opt_state: optimizer state.
+    comm: FP8 gradient-communication scaling state: a
+      ``fp8jax.parallel.collectives.CommScaling`` of f32[L] / i32[L] (L = number of parameter
+      leaves) with ``parallel.grad_comm_scaling=auto``, else ``()``. Replicated.
   """
 
   step: jax.Array
   params: Any
   fp8: Any
   opt_state: Any
+  comm: Any = ()
 
   def model_params(self):
     """The parameters the model computes from (master weights decoded to f32)."""

@@ -108,7 +108,8 @@ def apply_gradients(state: TrainState, tx: optax.GradientTransformation, grads, 
     new_params = apply_master_updates(state.params, updates, finite=jnp.isfinite(grad_norm))
   else:
     new_params = optax.apply_updates(state.params, updates)
-  new_state = TrainState(state.step + 1, new_params, fp8, opt_state)
+  new_state = state._replace(step=state.step + 1, params=new_params, fp8=fp8,
+                             opt_state=opt_state)
   return new_state, {"loss": loss, "grad_norm": grad_norm}
 
 
