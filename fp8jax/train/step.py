@@ -99,8 +99,8 @@ def apply_gradients(state: TrainState, tx: optax.GradientTransformation, grads, 
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     new_params, opt_state = fused_update(state.params, state.opt_state, param_grads, finite,
                                          grad_norm)
-    return (TrainState(state.step + 1, new_params, fp8, opt_state),
-            {"loss": loss, "grad_norm": grad_norm})
+    return (state._replace(step=state.step + 1, params=new_params, fp8=fp8,
+                           opt_state=opt_state), {"loss": loss, "grad_norm": grad_norm})
   updates, opt_state = tx.update(param_grads, state.opt_state, state.model_params())
   if isinstance(state.params, MasterWeights):  # FP16 master weights: update in f32, re-round
     # The level's optimizer zeroes the updates of a step with non-finite gradients, so the
