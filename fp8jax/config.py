@@ -476,9 +476,9 @@ class Config(_Section):
 
   def grad_comm(self) -> str:
     """How the run reduces gradients: "fp8" or "native". "auto" is "native": the FP8 step
-    enters ``shard_map`` with replicated weights, so at ZeRO-3 it gathers the master weights
-    instead of their FP8 copy (3% slower than native, 1.7x the peak memory on 2 x H200 at
-    1.3B; benchmarks/zero_gpu.py --levels O0,O3,O3:fp8)."""
+    holds the whole gathered model for the step and measured 3% slower than native with 1.7x
+    the peak memory on 2 x H200 at 1.3B, ZeRO-3 (benchmarks/zero_gpu.py --levels
+    O0,O3,O3:fp8, before its weights were gathered in FP8)."""
     return "fp8" if self.parallel.grad_comm == "fp8" else "native"
 
   def grad_comm_growth_interval(self) -> int:

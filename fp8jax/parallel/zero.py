@@ -262,6 +262,15 @@ class ZeroPlan:
     """A global batch int32[B, T+1] (same on every process) placed on the mesh."""
     return _put(batch, self.batch)
 
+  def gather_fn(self) -> Callable | None:
+    """Stage 3: ``params -> params`` all-gathering the forward weights as :func:`gather_params`
+    does with this plan's payloads (FP8 kernels travel as E4M3 bits + scale); None below."""
+    if self.stage < 3:
+      return None
+    return lambda p: gather_params(p, self.mesh, fp8_kernels=self.fp8_gather,
+                                   payload_dtype=self.payload_dtype, axes=self.axes,
+                                   rules=self.rules)
+
   def train_step(self, apply_fn: Callable, tx: optax.GradientTransformation,
                  microbatches: int = 1, donate: bool = True, wrap: Callable | None = None):
     """The jitted ``step(state, batch) -> (state, metrics)`` with this plan's shardings
@@ -269,11 +278,7 @@ class ZeroPlan:
     given, wraps the unsharded step function first (e.g.
     ``fp8jax.train.guards.skip_nonfinite_steps``)."""
     mesh, axes = self.mesh, self.axes
-    gather = None
-    if self.stage >= 3:
-      gather = lambda p: gather_params(p, mesh, fp8_kernels=self.fp8_gather,
-                                       payload_dtype=self.payload_dtype, axes=axes,
-                                       rules=self.rules)
+    gather = self.gather_fn()
     reduce = None
     if self.stage >= 1:
       reduce = lambda g: reduce_gradients(g, mesh, self.stage, axes, self.rules)

@@ -213,7 +213,9 @@ def _local_grads(apply_fn: Callable, axes: tuple[str, ...], grad_comm: str,
     acc = extra_work(part, acc)
     return loss_sum + loss, acc
 
-  zeros = jax.tree.map(jnp.zeros_like, variables)
+  # Sums in f32 at least (ZeRO-3's gathered FP8 kernels arrive as bf16, so do their grads).
+  zeros = jax.tree.map(lambda v: jnp.zeros(v.shape, jnp.promote_types(v.dtype, jnp.float32))
+                       if jnp.issubdtype(v.dtype, jnp.floating) else jnp.zeros_like(v), variables)
   loss_sum, acc = lax.fori_loop(0, count, one, (jnp.zeros((), jnp.float32), zeros))
   # Every microbatch holds m x T target tokens, so weighting each microbatch's mean-loss
   # gradient by its tokens is dividing the sum by the step's microbatch count.
@@ -237,7 +239,7 @@ def _local_grads(apply_fn: Callable, axes: tuple[str, ...], grad_comm: str,
 def make_balanced_train_step(apply_fn: Callable, tx: optax.GradientTransformation, mesh: Mesh,
                              axes: Sequence[str] = ("data", "fsdp"), *,
                              grad_comm: str = "native", comm_scaling: str = "current",
-                             growth_interval: int = 1000):
+                             growth_interval: int = 1000, gather_params: Callable | None = None):
   """A jittable ``step(state, batch, counts, repeats=None) -> (state, metrics)``.
 
   Args:
@@ -249,6 +251,9 @@ def make_balanced_train_step(apply_fn: Callable, tx: optax.GradientTransformatio
     comm_scaling: scales of the FP8 wire: "current" or "auto" (FP8-LM automatic scaling
       from ``state.comm``, see :func:`init_grad_comm_scaling`; needs grad_comm "fp8").
     growth_interval: clean steps before "auto" doubles a pre-scale.
+    gather_params: optional ``params -> params`` replicating ZeRO-3-sharded weights before
+      they enter ``shard_map`` (``ZeroPlan.gather_fn``: FP8 kernels travel as E4M3 + scale);
+      without it XLA gathers them in their own dtype at the boundary.
   The step's arguments: batch int32[G, n, m, T+1] and counts int32[G] (module docstring),
   sharded over the groups; `repeats` int32[G] (optional) adds that many extra forward+backward
   passes per microbatch on each group (a slowdown hook: same program, different data).
@@ -275,6 +280,8 @@ def make_balanced_train_step(apply_fn: Callable, tx: optax.GradientTransformatio
     if repeats is None:
       repeats = jnp.zeros_like(counts)
     variables = state.variables()
+    if gather_params is not None:  # not differentiated: gradients are taken inside
+      variables = {**variables, "params": gather_params(variables["params"])}
     comm = state.comm if auto else ()
     if auto:
       want = jax.tree.leaves(variables["params"])

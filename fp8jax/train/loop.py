@@ -139,7 +139,8 @@ class Trainer:
         balanced.make_balanced_train_step(
             self.model.apply, self.tx, mesh, grad_comm=self.grad_comm,
             comm_scaling=self.config.parallel.grad_comm_scaling,
-            growth_interval=self.config.grad_comm_growth_interval())),
+            growth_interval=self.config.grad_comm_growth_interval(),
+            gather_params=self.zero.gather_fn())),
         in_shardings=(self.zero.state, sharding, sharding),
         out_shardings=(self.zero.state, jax.sharding.NamedSharding(mesh, P())),
         donate_argnums=0, compiler_options=self.zero.compiler_options or None)
