@@ -16,7 +16,6 @@ Both print a table and write JSON to --out.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
 
@@ -26,10 +25,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from fp8jax.config import load_config
-from fp8jax.models.gpt import GPT, ModelConfig
 from fp8jax.parallel import balance, capability, make_mesh, profile
 from fp8jax.train import balanced
-from fp8jax.train.optimizer import lr_schedule, make_optimizer
+from fp8jax.train.build import model_and_optimizer
 from fp8jax.train.state import init_state
 
 
@@ -67,10 +65,7 @@ def _timed(fn, *a, steps: int) -> float:
 def balance_run(args) -> dict:
   config = load_config(args.config, args.set)
   level, t, d = config.level(), config.train, config.data
-  model = GPT(ModelConfig(**dataclasses.asdict(config.model)), level.recipe)
-  tx = make_optimizer(lr_schedule(t.learning_rate, t.warmup_steps, t.steps, t.min_lr_ratio),
-                      b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
-                      clip_norm=t.gradient_clipping, level=level)
+  model, _, tx = model_and_optimizer(config)
   mesh = make_mesh()
   groups = balanced.group_count(mesh)
   state = jax.device_put(init_state(model, tx, level, args.microbatch, d.seq_len, t.seed),

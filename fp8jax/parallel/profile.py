@@ -15,7 +15,6 @@ balancer reads them back as :class:`~fp8jax.parallel.balance.KindProfile` (:func
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -117,10 +116,9 @@ def measure(config, sizes: Sequence[int], steps: int = 5,
   """
   import jax
 
-  from fp8jax.models.gpt import GPT, ModelConfig
   from fp8jax.parallel.capability import local_report
+  from fp8jax.train.build import model_and_optimizer
   from fp8jax.train.guards import skip_nonfinite_steps
-  from fp8jax.train.optimizer import lr_schedule, make_optimizer
   from fp8jax.train.state import init_state
   from fp8jax.train.step import make_train_step
 
@@ -131,10 +129,7 @@ def measure(config, sizes: Sequence[int], steps: int = 5,
   report = local_report([device])
   limit = memory_limit_bytes or report.memory_bytes
   level, t, d = config.level(), config.train, config.data
-  model = GPT(ModelConfig(**dataclasses.asdict(config.model)), level.recipe)
-  tx = make_optimizer(lr_schedule(t.learning_rate, t.warmup_steps, t.steps, t.min_lr_ratio),
-                      b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
-                      clip_norm=t.gradient_clipping, level=level)
+  model, _, tx = model_and_optimizer(config)
   points = []
   with jax.default_device(device):
     # Committed to the device, so the step's output (committed) matches its input: one

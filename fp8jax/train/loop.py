@@ -26,7 +26,8 @@ from fp8jax.parallel import device_map as device_map_lib
 from fp8jax.train import balanced, guards
 from fp8jax.train import metrics as metrics_lib
 from fp8jax.train.health import fp8_cast_health
-from fp8jax.train.optimizer import lr_schedule, make_fused_update, make_optimizer
+from fp8jax.train.build import model_and_optimizer
+from fp8jax.train.optimizer import make_fused_update
 from fp8jax.train.state import TrainState, init_state
 from fp8jax.train.step import cross_entropy, make_eval_step, make_train_step
 
@@ -42,17 +43,13 @@ class Trainer:
     self.config, self.progress = config, progress
     self.level = config.level()
     self.model_config = ModelConfig(**dataclasses.asdict(config.model))
-    self.model = GPT(self.model_config, self.level.recipe)
+    self.model, self.schedule, self.tx = model_and_optimizer(config)
     d = config.data
     self.data = data_lib.load_data(None if d.source == "stdlib" else d.source,
                                    val_fraction=d.val_fraction, max_bytes=d.max_bytes,
                                    vocab_size=config.model.vocab_size)
     t = config.train
     self.train_batches = self.data.batches("train", t.microbatch_size, d.seq_len, seed=d.seed)
-    self.schedule = lr_schedule(t.learning_rate, t.warmup_steps, t.steps, t.min_lr_ratio)
-    self.tx = make_optimizer(self.schedule, b1=t.b1, b2=t.b2, eps=t.eps,
-                             weight_decay=t.weight_decay, clip_norm=t.gradient_clipping,
-                             level=self.level)
     self.capability = capability.agree(config.parallel.fp8_capability)
     self.state = self._init_state()
     self.grad_comm = config.grad_comm()  # "fp8" or "native"
