@@ -225,7 +225,8 @@ class Trainer:
     if primary:
       save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
     start = self.resume() if cfg.checkpoint.auto_resume else 0
-    if start and primary:
+    if cfg.checkpoint.auto_resume and primary:  # steps after the restored one run again (all
+      # of them when a killed run left no finished checkpoint): drop their old records
       metrics_lib.drop_records_after(os.path.join(self.run_dir, "metrics.jsonl"), start)
     if start >= t.steps:
       print(f"fp8jax train: {self.run_dir} already finished {start} of {t.steps} steps")
