@@ -126,6 +126,7 @@ def adam_master_update(g, mu, nu, w, table, seed, amax, *, row: int, offset: int
                 pl.BlockSpec((1,), lambda i: (0,)), blocks],
       out_specs=[vec, vec, vec, blocks],
       out_shape=[jax.ShapeDtypeStruct((n,), mu.dtype), jax.ShapeDtypeStruct((n,), nu.dtype),
-                 jax.ShapeDtypeStruct((n,), w.dtype), jax.ShapeDtypeStruct(amax.shape, jnp.float32)],
+                 jax.ShapeDtypeStruct((n,), w.dtype),
+                 jax.ShapeDtypeStruct(amax.shape, jnp.float32)],
       input_output_aliases={1: 0, 2: 1, 3: 2, 6: 3},  # mu, nu, w, amax updated in place
       interpret=interpret, **params)(g, mu, nu, w, table, seed, amax)

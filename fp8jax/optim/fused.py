@@ -12,8 +12,8 @@ gradient, moments and master weight are read once and written once by a fused ke
 multiple of the kernel's block, the same per-element function runs through XLA. Per-tensor
 scalars (scales, bias corrections, learning rate) come first from the old scales and the
 gradients' scales (:mod:`fp8jax.optim.moments`' bounds), as in the composed path; the kernel
-writes the moments and the master weight in place (donate them to avoid copies). Unsharded (single-device or replicated) arrays only: a Pallas call
-does not partition under ``jax.jit``.
+writes the moments and the master weight in place (donate them to avoid copies). Unsharded
+(single-device or replicated) arrays only: a Pallas call does not partition under ``jax.jit``.
 """
 from __future__ import annotations
 
@@ -85,7 +85,6 @@ def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1:
     ok = jnp.all(jnp.isfinite(amax_g))
     if finite is not None:
       ok = ok & jnp.asarray(finite, jnp.bool_)
-  ok_w = ok
   mu_old = jnp.stack([mu.scale for mu in mus]) if mus else jnp.zeros((0,))
   nu_old = jnp.stack([nu.scale for nu in nus]) if nus else jnp.zeros((0,))
   mu_dtype = mus[0].data.dtype if mus else jnp.float8_e4m3fn
@@ -112,11 +111,11 @@ def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1:
     w_scale = write_scales(w_old_amax[i], w.data.dtype)
     w_scales.append(w_scale)
     limits.append(w_scale * payload_max(w.data.dtype))
+    g_scale = (g.scale if is_scaled(g) else 1.0) * g_mult
     rows.append(jnp.stack([jnp.asarray(v, jnp.float32) for v in (
-        (g.scale if is_scaled(g) else 1.0) * g_mult, mu.scale, nu.scale, _inv(mu_scale[i]), nu_scale[i],
-        _inv(nu_scale[i]), bc1, nu_scale[i] / jnp.sqrt(bc2), eps,
-        weight_decay if decayed[i] else 0.0, step_size, ok.astype(jnp.float32), w.scale,
-        w_scale, _inv(w_scale), ok_w.astype(jnp.float32))]))
+        g_scale, mu.scale, nu.scale, _inv(mu_scale[i]), nu_scale[i], _inv(nu_scale[i]), bc1,
+        nu_scale[i] / jnp.sqrt(bc2), eps, weight_decay if decayed[i] else 0.0, step_size,
+        ok.astype(jnp.float32), w.scale, w_scale, _inv(w_scale), ok.astype(jnp.float32))]))
   sizes = [math.prod(w.data.shape) for w in w_leaves]
   kernel = [_use_kernel(n, interpret) for n in sizes]
   offsets = np.cumsum([0] + [n // K.BLOCK if k else 0 for n, k in zip(sizes, kernel)])
@@ -142,7 +141,7 @@ def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1:
       amax = jnp.max(mag, initial=0.0)
     new_mu.append(ScaledArray(m2.reshape(shape), mu_scale[i]))
     new_nu.append(ScaledArray(v2.reshape(shape), nu_scale[i]))
-    new_w.append(ScaledArray(w2.reshape(shape), jnp.where(ok_w, w_scales[i], w.scale)))
+    new_w.append(ScaledArray(w2.reshape(shape), jnp.where(ok, w_scales[i], w.scale)))
     new_amax.append(amax)
   if any(kernel):  # one segmented max over all kernel tensors' block maxima
     ids = jnp.searchsorted(jnp.asarray(offsets[1:], jnp.int32),
@@ -152,14 +151,14 @@ def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1:
     new_amax = [seg[i] if a is None else a for i, a in enumerate(new_amax)]
 
   amax_w = jnp.stack(new_amax) if new_amax else w_old_amax
-  clipped = ok_w & jnp.any(amax_w > jnp.stack(limits)) if limits else jnp.bool_(False)
+  clipped = ok & jnp.any(amax_w > jnp.stack(limits)) if limits else jnp.bool_(False)
   previous = jnp.zeros((), jnp.int32) if master.clipped is None else master.clipped
   unflat = lambda xs: jax.tree.unflatten(treedef, xs)
   new_adam = ScaleByAdamState(jnp.where(ok, count, adam_state.count), unflat(new_mu),
                               unflat(new_nu))
   new_state = (new_adam, decay_state,
                jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_lr_state, lr_state))
-  new_master = MasterWeights(unflat(new_w), master.count + ok_w.astype(jnp.int32),
-                             jnp.where(ok_w, amax_w, w_old_amax),
+  new_master = MasterWeights(unflat(new_w), master.count + ok.astype(jnp.int32),
+                             jnp.where(ok, amax_w, w_old_amax),
                              previous + clipped.astype(jnp.int32))
   return new_master, new_state
