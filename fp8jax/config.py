@@ -518,9 +518,9 @@ class Config(_Section):
       return
     for key, value, ok in (("zero_stage", p.zero_stage, 0), ("offload_optimizer",
                             p.offload_optimizer, False), ("device_map", p.device_map, None),
-                           ("grad_comm", p.grad_comm, "auto"),
+                           ("grad_comm", self.grad_comm(), "native"),
                            ("tensor_parallel_size", p.tensor_parallel_size, 1)):
-      if value != ok and not (key == "grad_comm" and value == "native"):
+      if value != ok:
         _fail(f"train.fused_optimizer=True runs on unsharded arrays (one device); "
               f"parallel.{key}={value!r} is not allowed with it; use {ok!r} or "
               f"train.fused_optimizer false")

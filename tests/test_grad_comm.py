@@ -175,13 +175,13 @@ def _float_gathers(hlo: str, min_elements: int):
   return out
 
 
-def test_trainer_o2_fp8_grad_comm_tracks_native(tmp_path, stage=3):
+def test_trainer_o2_fp8_grad_comm_tracks_native(tmp_path):
   """`--set parallel.grad_comm=fp8` on the tiny config (shrunk), ZeRO-3 at O2, 3 steps; the
   native ZeRO step replays the same batches from the same initial state. The weights reach
   the step as FP8 (kernels) / FP16 (the rest) bits: no float all-gather. (ZeRO-2 at O2 runs
   in tests/test_comm_scaling.py against the native reduction too.)"""
   cfg = load_config(TINY, [
-      "train.opt_level=O2", "train.steps=3", f"parallel.zero_stage={stage}",
+      "train.opt_level=O2", "train.steps=3", "parallel.zero_stage=3",
       "parallel.grad_comm=fp8", "model.n_layers=1", "model.d_model=64", "model.d_ff=128",
       "data.seq_len=32", "data.max_bytes=200000", "train.eval_every=0",
       "train.eval_batches=1", "train.log_every=1", "train.fp8_health_every=0",
@@ -189,12 +189,11 @@ def test_trainer_o2_fp8_grad_comm_tracks_native(tmp_path, stage=3):
   trainer = Trainer(cfg, progress=False)
   assert trainer.grad_comm == "fp8"
   state = jax.tree.map(jnp.copy, trainer.state)
-  if stage == 3:
-    step, place = trainer.fp8_step_parts(1)
-    batch = trainer.data.batches("train", cfg.train.microbatch_size, cfg.data.seq_len,
-                                 seed=cfg.data.seed).next()
-    hlo = step.lower(trainer.state, *place(batch)).compile().as_text()
-    assert "u8[" in hlo and not _float_gathers(hlo, 64 * 64), _float_gathers(hlo, 64 * 64)
+  step, place = trainer.fp8_step_parts(1)
+  batch = trainer.data.batches("train", cfg.train.microbatch_size, cfg.data.seq_len,
+                               seed=cfg.data.seed).next()
+  hlo = step.lower(trainer.state, *place(batch)).compile().as_text()
+  assert "u8[" in hlo and not _float_gathers(hlo, 64 * 64), _float_gathers(hlo, 64 * 64)
   trainer.run()
   records = [json.loads(l) for l in open(tmp_path / "tiny" / "metrics.jsonl")]
   loss_fp8 = [r["loss"] for r in records if "loss" in r]

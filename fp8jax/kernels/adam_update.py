@@ -27,8 +27,8 @@ BLOCK = 2048
 NUM_WARPS = 8
 # Indices into the f32 scalar vector (per tensor).
 (S_G, S_MU_OLD, S_NU_OLD, S_INV_MU, S_NU_NEW, S_INV_NU, S_BC1, S_RFAC, S_EPS, S_WD, S_STEP,
- S_OK, S_W_OLD, S_W_NEW, S_INV_W, S_OK_W) = range(16)
-NUM_SCALARS = 16
+ S_OK, S_W_OLD, S_W_NEW, S_INV_W) = range(15)
+NUM_SCALARS = 15
 
 
 def update_reference(g, mu, nu, w, s, seed, index, b1: float, b2: float):
@@ -64,7 +64,7 @@ def update_reference(g, mu, nu, w, s, seed, index, b1: float, b2: float):
   fmax_w = float(jnp.finfo(w.dtype).max)
   yw = jnp.clip(xw * s[S_INV_W], -fmax_w, fmax_w)
   new_w = round_with_bits(yw, w.dtype, index_bits(index, seed))
-  new_w = jnp.where(s[S_OK_W] > 0, new_w, w)
+  new_w = jnp.where(ok, new_w, w)
   mag = jnp.where(jnp.isnan(xw), jnp.inf, jnp.abs(xw))
   return new_mu, new_nu, new_w, mag
 

@@ -115,7 +115,7 @@ def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1:
     rows.append(jnp.stack([jnp.asarray(v, jnp.float32) for v in (
         g_scale, mu.scale, nu.scale, _inv(mu_scale[i]), nu_scale[i], _inv(nu_scale[i]), bc1,
         nu_scale[i] / jnp.sqrt(bc2), eps, weight_decay if decayed[i] else 0.0, step_size,
-        ok.astype(jnp.float32), w.scale, w_scale, _inv(w_scale), ok.astype(jnp.float32))]))
+        ok.astype(jnp.float32), w.scale, w_scale, _inv(w_scale))]))
   sizes = [math.prod(w.data.shape) for w in w_leaves]
   kernel = [_use_kernel(n, interpret) for n in sizes]
   offsets = np.cumsum([0] + [n // K.BLOCK if k else 0 for n, k in zip(sizes, kernel)])
