@@ -81,12 +81,13 @@ def main():
   trainer = Trainer(cfg, progress=False)
   batch = trainer.next_batch(0)
   step = trainer.step_fn(cfg.microbatches_at(0))
-  if a.dump_hlo:
-    with open(a.dump_hlo, "w") as f:
-      f.write(step.lower(trainer.state, batch).compile().as_text())
-  for _ in range(2):
+  for _ in range(2):  # the first step may run the uncalibrated model (fp8.calibrate)
     trainer.state, m = step(trainer.state, batch)
   jax.block_until_ready(m)
+  if a.dump_hlo:  # the steady step (single-device runs: a jitted function)
+    jitted = trainer._compiled_step(cfg.microbatches_at(0), bool(trainer._uncalibrated))
+    with open(a.dump_hlo, "w") as f:
+      f.write(jitted.lower(trainer.state, batch).compile().as_text())
   trace_dir = a.trace_dir or tempfile.mkdtemp(prefix="fp8jax_trace_")
   with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
     for _ in range(a.steps):

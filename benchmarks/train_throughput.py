@@ -6,8 +6,8 @@
   e.g. the fused FP8 cast kernel: --run O1=O1 --run "O1 fused=O1,fp8.fused_cast_transpose=true"
 
 Each ``--run LABEL=LEVEL[,key=value...]`` is measured in its own subprocess (so the device's
-peak memory is that run's alone) on the same config, data and batch: one warm-up step
-(compilation), then ``--steps`` steps timed with the host clock around a blocking step
+peak memory is that run's alone) on the same config, data and batch: two warm-up steps
+(compilation; the Trainer's first step runs its uncalibrated FP8 model, see fp8.calibrate), then ``--steps`` steps timed with the host clock around a blocking step
 (median). ``--set`` overrides apply to every run. Prints tokens/s, the ratio to the first run,
 MFU (against the FP8 peak for FP8 levels, BF16 for O0), peak device memory and compile time.
 """
@@ -34,8 +34,9 @@ def time_one(config_path: str, level: str, overrides: list[str], steps: int) -> 
   batch = trainer.next_batch(0)
   step = trainer.step_fn(cfg.microbatches_at(0))
   t0 = time.perf_counter()
-  trainer.state, m = step(trainer.state, batch)
-  jax.block_until_ready(m)
+  for _ in range(2):  # compiles; with fp8.calibrate the first step's model, then the steady one
+    trainer.state, m = step(trainer.state, batch)
+    jax.block_until_ready(m)
   compile_s = time.perf_counter() - t0
   times = []
   for _ in range(steps):

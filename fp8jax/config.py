@@ -213,6 +213,7 @@ class ModelSection(_Section):
   norm: str = _field("rmsnorm", _one_of("rmsnorm", "layernorm"))
   remat: bool = False
   remat_save_fp8_weights: bool = True
+  remat_save_fp8_inputs: bool = False
   dtype: str = _field("bfloat16", _one_of("bfloat16", "float32"))
   param_dtype: str = _field("float32", _one_of("float32", "bfloat16"))
   tie_embeddings: bool = False
@@ -319,7 +320,12 @@ class Fp8Section(_Section):
   scaling: str = "delayed"
   power_of_two_scales: bool = False
   bwd_fast_accumulation: bool = False
-  fused_cast_transpose: bool = False
+  # On by default in training (Recipe's default is off): the kernel runs where it can (one
+  # GPU, native FP8), XLA casts elsewhere, same values.
+  fused_cast_transpose: bool = True
+  # The Trainer's first step casts never-observed FP8 states just in time; later steps use
+  # Recipe(calibrated=True) (each amax fused into its cast). auto: when FP8 GEMMs are native.
+  calibrate: str = _field("auto", _one_of("auto", "always", "never"))
 
   def _check(self):
     try:
@@ -328,8 +334,10 @@ class Fp8Section(_Section):
       raise ValueError(str(e).replace("Recipe.", "fp8.", 1)) from None
 
   def recipe(self) -> Recipe:
-    """The ``fp8jax.Recipe`` these settings describe."""
-    return Recipe(**dataclasses.asdict(self))
+    """The ``fp8jax.Recipe`` these settings describe (uncalibrated: see ``calibrate``)."""
+    fields = dataclasses.asdict(self)
+    del fields["calibrate"]
+    return Recipe(**fields)
 
 
 _MESH_SIZE = _Rule(lambda v: v == -1 or v >= 1, "an integer >= 1, or -1 (fill the devices)")

@@ -5,9 +5,10 @@ to ``lax.dot_general`` (XLA rewrites exactly that into a cuBLASLt FP8 GEMM on sm
 Backward: the output gradient cast to the backward format (E5M2); input gradient
 ``g x w^T`` and weight gradient ``x^T g`` are E5M2 x E4M3 FP8 GEMMs (never E5M2 x E5M2).
 The FP8 operands are the residuals, so saved activations take 1 byte per element. The
-weight's cast (FP8 payload, scale, amax) is tagged ``checkpoint_name(.., WEIGHT_CAST_NAME)``:
-under ``jax.checkpoint`` / ``nn.remat`` with a policy that saves that name (see
-:data:`SAVE_FP8_WEIGHTS`) the backward's recomputation reuses it instead of casting again.
+weight's cast (FP8 payload, scale, amax) is tagged ``checkpoint_name(.., WEIGHT_CAST_NAME)``,
+the activation's ``INPUT_CAST_NAME``: under ``jax.checkpoint`` / ``nn.remat`` with a policy
+that saves those names (:data:`SAVE_FP8_WEIGHTS`, :data:`SAVE_FP8_OPERANDS`) the backward's
+recomputation reuses them instead of casting again.
 
 With ``Recipe(fused_cast_transpose=True)`` (GPU, native FP8) activations and output gradients
 are cast by one fused kernel (:mod:`fp8jax.kernels.cast_transpose`) that also writes their
@@ -49,8 +50,15 @@ _LOGGED: set[str] = set()
 _NATIVE_OUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 # checkpoint_name of each GEMM's weight cast: FP8 payload (1 byte per weight), scale, amax.
 WEIGHT_CAST_NAME = "fp8jax_weight"
+# checkpoint_name of each GEMM's activation cast: FP8 payload(s) (1 byte per element, plus
+# the transposed copy of the fused kernel), scale, amax.
+INPUT_CAST_NAME = "fp8jax_input"
 # Remat policy that saves the weight casts and recomputes everything else.
 SAVE_FP8_WEIGHTS = jax.checkpoint_policies.save_only_these_names(WEIGHT_CAST_NAME)
+# Remat policy that saves the weight and activation casts: the recomputed forward GEMMs read
+# the saved FP8 operands, so no activation is cast (or its amax taken) a second time.
+SAVE_FP8_OPERANDS = jax.checkpoint_policies.save_only_these_names(WEIGHT_CAST_NAME,
+                                                                  INPUT_CAST_NAME)
 
 
 class Fp8DotMeta(NamedTuple):
@@ -67,11 +75,12 @@ def init_dot_meta(recipe: Recipe = Recipe()) -> Fp8DotMeta:
   return Fp8DotMeta(m, m, m)
 
 
-def log_once(message: str) -> None:
-  """Logs `message` at WARNING level the first time it is seen in this process."""
+def log_once(message: str, level: int = logging.WARNING) -> None:
+  """Logs `message` (at `level`, WARNING by default) the first time it is seen in this
+  process."""
   if message not in _LOGGED:
     _LOGGED.add(message)
-    logger.warning(message)
+    logger.log(level, message)
 
 
 @functools.lru_cache(maxsize=None)
@@ -184,6 +193,8 @@ def _scale_before_cast(x, meta: Fp8Meta, recipe: Recipe, fmt, amax_axes):
   cur = lambda: scaling.scale_for_cast(meta, scaling.compute_amax(x, amax_axes), recipe, fmt)
   if recipe.scaling == "current":
     return cur()
+  if recipe.calibrated:
+    return meta.scale
   return lax.cond(jnp.max(meta.amax_history) <= 0, cur, lambda: meta.scale)
 
 
@@ -208,16 +219,22 @@ def _fused_reason(x_shape, x_dtype, g_shape, g_dtype, recipe: Recipe, native: bo
           or ct.kernel_reason(g_shape, g_dtype, recipe.bwd_format))
 
 
-def _name_weight_cast(qw, sw, aw):
-  """(qw, sw, aw) tagged WEIGHT_CAST_NAME; values unchanged.
+def _name_cast(name: str, *arrays):
+  """`arrays` (FP8 payloads, f32 scales / amaxes) tagged ``checkpoint_name(.., name)``;
+  values unchanged.
 
-  The FP8 payload is tagged as its uint8 bits: remat rounds saved float residuals with
+  FP8 payloads are tagged as their uint8 bits: remat rounds saved float residuals with
   ``reduce_precision(finfo(dtype))``, whose IEEE-style E4M3 (max 240, with inf) turns
   E4M3FN values above 240 into NaN.
   """
-  bits = checkpoint_name(lax.bitcast_convert_type(qw, jnp.uint8), WEIGHT_CAST_NAME)
-  return (lax.bitcast_convert_type(bits, qw.dtype), checkpoint_name(sw, WEIGHT_CAST_NAME),
-          checkpoint_name(aw, WEIGHT_CAST_NAME))
+  out = []
+  for a in arrays:
+    if jnp.dtype(a.dtype).itemsize == 1:
+      bits = checkpoint_name(lax.bitcast_convert_type(a, jnp.uint8), name)
+      out.append(lax.bitcast_convert_type(bits, a.dtype))
+    else:
+      out.append(checkpoint_name(a, name))
+  return tuple(out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -234,10 +251,15 @@ def _fp8_matmul_fwd(x, w, meta: Fp8DotMeta, cfg: _Config):
     ax = scaling.compute_amax(x, cfg.amax_axes)
     sx = scaling.scale_for_cast(meta.input, ax, r, r.fwd_format)
     qx = qx_saved = scaling.quantize(x, sx, r.fwd_format)
+  if cfg.fused:
+    qx, qx_saved, sx, ax = _name_cast(INPUT_CAST_NAME, qx, qx_saved, sx, ax)
+  else:
+    qx, sx, ax = _name_cast(INPUT_CAST_NAME, qx, sx, ax)
+    qx_saved = qx
   aw = scaling.compute_amax(w, cfg.amax_axes)
   sw = scaling.scale_for_cast(meta.kernel, aw, r, r.fwd_format)
   qw = scaling.quantize(w, sw, r.fwd_format)
-  qw, sw, aw = _name_weight_cast(qw, sw, aw)
+  qw, sw, aw = _name_cast(WEIGHT_CAST_NAME, qw, sw, aw)
   k_axis = x.ndim - 1
   y = _mm(qx, qw, (k_axis, k_axis - 1), sx * sw, cfg.out_dtype, cfg.native, True)
   new_in = scaling.update_meta(meta.input, ax, r, r.fwd_format)
@@ -342,7 +364,8 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
     if why is None and (_vma(x) or meta_vma):
       why = "inside shard_map (the kernel is not checked there yet)"
     if why:
-      log_once(f"fp8jax: fused cast+transpose kernel not used, XLA casts instead: {why}")
+      log_once(f"fp8jax: fused cast+transpose kernel not used, XLA casts instead: {why}",
+               logging.INFO)  # same values either way; a speed note
     fused = why is None
   cfg = _Config(recipe, np.dtype(out_dtype).type, reason is None, tuple(amax_axes),
                 np.dtype(lhs.dtype).type, np.dtype(rhs.dtype).type, meta_vma,

@@ -63,6 +63,12 @@ class Recipe:
       operands K-major. GPU-only, native FP8 only; elsewhere (and for shapes the kernel does
       not tile) the XLA path runs. Same FP8 values either way (up to XLA's excess-precision
       fusion of a producer into its own cast).
+    calibrated: every FP8 state this recipe casts with has observed a tensor already (the
+      Trainer's first step, or a restored run). Delayed casts then use the stored scale with
+      no just-in-time fallback for a never-observed state, so a cast no longer waits for its
+      own tensor's amax and XLA computes both in one pass over the tensor instead of two. A
+      never-observed state would cast with its initial scale of 1. Ignored by current
+      scaling.
   """
 
   fwd_format: Any = E4M3
@@ -74,6 +80,7 @@ class Recipe:
   power_of_two_scales: bool = False
   bwd_fast_accumulation: bool = False
   fused_cast_transpose: bool = False
+  calibrated: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "fwd_format", _as_fp8_format("fwd_format", self.fwd_format, _FWD_FORMATS))
@@ -89,7 +96,8 @@ class Recipe:
       raise ValueError(f"Recipe.margin={self.margin!r} is not allowed; use a finite number >= 0")
     if self.scaling not in SCALINGS:
       raise ValueError(f"Recipe.scaling={self.scaling!r} is not allowed; use one of {list(SCALINGS)}")
-    for flag in ("power_of_two_scales", "bwd_fast_accumulation", "fused_cast_transpose"):
+    for flag in ("power_of_two_scales", "bwd_fast_accumulation", "fused_cast_transpose",
+                 "calibrated"):
       if not isinstance(getattr(self, flag), (bool, np.bool_)):
         raise ValueError(f"Recipe.{flag}={getattr(self, flag)!r} is not allowed; use True or False")
 

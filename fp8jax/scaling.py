@@ -10,7 +10,9 @@ Delayed scaling uses ``Fp8Meta.scale``, computed from the amax history at the pr
 update, so quantization needs no extra pass over the tensor. Current scaling computes the
 scale from the tensor's own amax just in time. A meta whose history is still all zero (never
 observed a tensor) uses current scaling once, so the first step does not quantize with an
-arbitrary scale of 1.
+arbitrary scale of 1; that fallback makes every delayed cast depend on its tensor's amax (two
+passes over the tensor), which ``Recipe(calibrated=True)`` removes once every state has
+observed a tensor.
 
 Amaxes are reduced with ``lax.pmax`` over ``axis_names`` (the mesh axes a tensor is sharded
 on inside ``shard_map``), so every device computes the same scale. Under plain ``jax.jit`` with
@@ -92,6 +94,8 @@ def scale_for_cast(meta: Fp8Meta, amax: jax.Array, recipe: Recipe, fmt) -> jax.A
   current = scale_from_amax(amax, meta.scale, fmt, recipe.margin, recipe.power_of_two_scales)
   if recipe.scaling == "current":
     return current
+  if recipe.calibrated:  # no dependence on this tensor's amax: XLA fuses amax and cast
+    return meta.scale
   never_observed = jnp.max(meta.amax_history) <= 0
   return jnp.where(never_observed, current, meta.scale)
 

@@ -31,8 +31,9 @@ NUM_WARPS = 8
 NUM_SCALARS = 15
 
 
-def update_reference(g, mu, nu, w, s, seed, index, b1: float, b2: float):
-  """New (mu, nu, w payloads, |x| with NaN as inf) for elements at flat `index` (uint32).
+def update_math(g, mu, nu, w, s, seed, index, b1: float, b2: float):
+  """New (mu, nu, w payloads, |x| with NaN as inf) for elements at flat `index` (uint32),
+  assuming the step is taken (see :func:`update_reference` for the skip).
 
   `s`: indexable scalars (see S_*); `seed`: uint32 seed of the master weight's stochastic
   rounding (:func:`fp8jax.optim.rounding.index_bits`).
@@ -49,40 +50,46 @@ def update_reference(g, mu, nu, w, s, seed, index, b1: float, b2: float):
   inv_r = jnp.where(z >= jnp.finfo(f32).tiny, lax.rsqrt(z), 0.0)
   r_units = z * inv_r
   upd = (m * (1.0 / s[S_BC1])) / (r_units * s[S_RFAC] + s[S_EPS])
-  ok = s[S_OK] > 0
-  upd = jnp.where(ok, upd, 0.0)
   u = m * inv_r * s[S_INV_NU]
   fmax_mu, fmax_nu = float(jnp.finfo(mu.dtype).max), float(jnp.finfo(nu.dtype).max)
   new_mu = jnp.clip(u * s[S_INV_MU], -fmax_mu, fmax_mu).astype(mu.dtype)
   new_nu = jnp.minimum(r_units, fmax_nu).astype(nu.dtype)
-  new_mu = jnp.where(ok, new_mu, mu)
-  new_nu = jnp.where(ok, new_nu, nu)
   p = w.astype(f32) * s[S_W_OLD]
-  upd = (upd + s[S_WD] * p) * s[S_STEP]
-  upd = jnp.where(ok, upd, 0.0)
-  xw = p + upd
+  xw = p + (upd + s[S_WD] * p) * s[S_STEP]
   fmax_w = float(jnp.finfo(w.dtype).max)
   yw = jnp.clip(xw * s[S_INV_W], -fmax_w, fmax_w)
   new_w = round_with_bits(yw, w.dtype, index_bits(index, seed))
-  new_w = jnp.where(ok, new_w, w)
   mag = jnp.where(jnp.isnan(xw), jnp.inf, jnp.abs(xw))
   return new_mu, new_nu, new_w, mag
 
 
+def update_reference(g, mu, nu, w, s, seed, index, b1: float, b2: float):
+  """:func:`update_math`, where the step is skipped (s[S_OK] == 0) the old payloads and a
+  magnitude of 0."""
+  new_mu, new_nu, new_w, mag = update_math(g, mu, nu, w, s, seed, index, b1, b2)
+  ok = s[S_OK] > 0
+  return (jnp.where(ok, new_mu, mu), jnp.where(ok, new_nu, nu), jnp.where(ok, new_w, w),
+          jnp.where(ok, mag, 0.0))
+
+
 def _kernel(g_ref, mu_ref, nu_ref, w_ref, s_ref, seed_ref, amax_in, mu_out, nu_out, w_out,
             amax_out, *, b1, b2, block, row):
+  """One block; a skipped step (s[S_OK] == 0) writes nothing: the outputs alias the inputs."""
   del amax_in  # aliased to amax_out; other tensors' entries stay as they are
-  s = [s_ref[row * NUM_SCALARS + i] for i in range(NUM_SCALARS)]
   from jax.experimental import pallas as pl
+  s = [s_ref[row * NUM_SCALARS + i] for i in range(NUM_SCALARS)]
   index = (pl.program_id(0).astype(jnp.uint32) * jnp.uint32(block)
            + lax.broadcasted_iota(jnp.uint32, (block,), 0))
   seed = seed_ref[0] + jnp.uint32(row)
-  new_mu, new_nu, new_w, mag = update_reference(g_ref[...], mu_ref[...], nu_ref[...],
-                                                w_ref[...], s, seed, index, b1, b2)
-  mu_out[...] = new_mu
-  nu_out[...] = new_nu
-  w_out[...] = new_w
-  amax_out[...] = jnp.broadcast_to(jnp.max(mag), (1,))
+
+  @pl.when(s[S_OK] > 0)
+  def _():
+    new_mu, new_nu, new_w, mag = update_math(g_ref[...], mu_ref[...], nu_ref[...],
+                                             w_ref[...], s, seed, index, b1, b2)
+    mu_out[...] = new_mu
+    nu_out[...] = new_nu
+    w_out[...] = new_w
+    amax_out[...] = jnp.broadcast_to(jnp.max(mag), (1,))
 
 
 def scalar_table(rows) -> jax.Array:

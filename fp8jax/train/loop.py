@@ -21,6 +21,7 @@ from fp8jax.config import Config, config_to_dict, save_config
 from fp8jax.dot import native_fp8_reason
 from fp8jax.models.gpt import GPT, ModelConfig, flops_per_token, param_count
 from fp8jax.parallel import balance, capability
+from fp8jax.scaling import Fp8Meta
 from fp8jax.parallel.mesh import describe as parallel_describe
 from fp8jax.parallel import device_map as device_map_lib
 from fp8jax.train import balanced, guards
@@ -51,6 +52,11 @@ class Trainer:
     t = config.train
     self.train_batches = self.data.batches("train", t.microbatch_size, d.seq_len, seed=d.seed)
     self.capability = capability.agree(config.parallel.fp8_capability)
+    self.first_model = self.model  # casts never-observed FP8 states just in time
+    self.calibration = self._calibration_on()
+    if self.calibration:  # after the first step: every cast trusts its stored scale
+      self.model = self.model.clone(recipe=self.model.recipe.replace(calibrated=True))
+    self._uncalibrated: bool | None = None  # None: not checked yet for the current state
     self.state = self._init_state()
     self.grad_comm = config.grad_comm()  # "fp8" or "native"
     self.zero = self._zero_plan()  # None: single device, as before
@@ -68,7 +74,7 @@ class Trainer:
     if self.zero is not None:
       self.state = self.zero.shard_state(self.state)
     self.group_seconds = self._group_seconds()  # None: uniform split (no device_map)
-    self._steps: dict[int, Any] = {}
+    self._steps: dict[tuple[int, bool], Any] = {}
     self._eval = jax.jit(make_eval_step(self.model.apply))
     self._health = jax.jit(lambda variables, batch: fp8_cast_health(
         self.model, variables, batch, self.level.recipe)) if self.level.fp8_gemms else None
@@ -80,6 +86,13 @@ class Trainer:
     self.flops_per_token = flops_per_token(self.model_config, d.seq_len)
     self.fp8_peak = self.level.fp8_gemms and native_fp8_reason() is None
     self._init_guards()
+
+  def _calibration_on(self) -> bool:
+    """fp8.calibrate: whether steps after the first use ``Recipe(calibrated=True)``."""
+    recipe, mode = self.level.recipe, self.config.fp8.calibrate
+    if recipe is None or recipe.scaling != "delayed" or mode == "never":
+      return False
+    return mode == "always" or native_fp8_reason() is None
 
   def _init_state(self) -> TrainState:
     t, d = self.config.train, self.config.data
@@ -117,24 +130,24 @@ class Trainer:
     """Microbatches per data-parallel group for a step of `microbatches` (device_map runs)."""
     return balance.balance_counts(self.group_seconds, microbatches)
 
-  def _balanced_step_fn(self, microbatches: int):
+  def _balanced_step_fn(self, microbatches: int, apply_fn):
     counts = self.balanced_counts(microbatches)
     mesh, m = self.zero.mesh, self.config.train.microbatch_size
     sharding = balanced.batch_sharding(mesh)
-    step = self._jit_shard_map_step()
+    step = self._jit_shard_map_step(apply_fn)
     counts_array = balanced.put_global(np.asarray(counts, np.int32), sharding)
     return lambda state, batch: step(
         state, balanced.put_global(balanced.layout_batch(batch, counts, m), sharding),
         counts_array)
 
-  def _jit_shard_map_step(self):
+  def _jit_shard_map_step(self, apply_fn):
     """The jitted shard_map data-parallel step ``(state, batch, counts) -> (state, metrics)``
-    (fp8jax.train.balanced) with this run's gradient communication."""
+    (fp8jax.train.balanced) of model `apply_fn` with this run's gradient communication."""
     mesh = self.zero.mesh
     sharding = balanced.batch_sharding(mesh)
     return jax.jit(guards.skip_nonfinite_steps(
         balanced.make_balanced_train_step(
-            self.model.apply, self.tx, mesh, grad_comm=self.grad_comm,
+            apply_fn, self.tx, mesh, grad_comm=self.grad_comm,
             comm_scaling=self.config.parallel.grad_comm_scaling,
             growth_interval=self.config.grad_comm_growth_interval(),
             gather_params=self.zero.gather_fn())),
@@ -142,11 +155,11 @@ class Trainer:
         out_shardings=(self.zero.state, jax.sharding.NamedSharding(mesh, P())),
         donate_argnums=0, compiler_options=self.zero.compiler_options or None)
 
-  def _fp8_step_fn(self, microbatches: int):
-    step, place = self.fp8_step_parts(microbatches)
+  def _fp8_step_fn(self, microbatches: int, apply_fn):
+    step, place = self.fp8_step_parts(microbatches, apply_fn)
     return lambda state, batch: step(state, *place(batch))
 
-  def fp8_step_parts(self, microbatches: int):
+  def fp8_step_parts(self, microbatches: int, apply_fn=None):
     """(jitted ``step(state, batch, counts)``, ``place(batch) -> (batch, counts)``) of the
     uniform step with FP8 gradient communication: the balanced (shard_map) step with
     every group running all `microbatches` microbatches on its 1/G of each, i.e. the same
@@ -160,7 +173,7 @@ class Trainer:
                        f"(train.batch_size / train.microbatches) does not split over the "
                        f"{groups} data-parallel ranks; use a microbatch size that is a "
                        f"multiple of {groups}")
-    step = self._jit_shard_map_step()
+    step = self._jit_shard_map_step(apply_fn or self.model.apply)
     counts = balanced.put_global(np.full((groups,), microbatches, np.int32), sharding)
     return step, lambda batch: (balanced.put_global(
         balanced.layout_split(batch, microbatches, groups), sharding), counts)
@@ -177,22 +190,46 @@ class Trainer:
     return self.zero.shard_batch(batch) if self.zero is not None else batch
 
   def step_fn(self, microbatches: int):
-    """The jitted train step for `microbatches` microbatches (one compile per count)."""
-    if microbatches not in self._steps and self.group_seconds is not None:
-      self._steps[microbatches] = self._balanced_step_fn(microbatches)
-    if microbatches not in self._steps and self.grad_comm == "fp8":
-      self._steps[microbatches] = self._fp8_step_fn(microbatches)
-    if microbatches not in self._steps and self.zero is not None:
-      step = self.zero.train_step(self.model.apply, self.tx, microbatches,
-                                  wrap=guards.skip_nonfinite_steps)
-      self._steps[microbatches] = lambda state, batch: step(state, self.zero.shard_batch(batch))
-    if microbatches not in self._steps:
+    """The train step ``(state, batch) -> (state, metrics)`` for `microbatches` microbatches.
+
+    With calibration on (fp8.calibrate), steps run the model whose casts fall back to just-in-
+    time scales (``self.first_model``) until every FP8 state has observed a tensor (the first
+    step of a fresh run; checked after each such step), then the calibrated model, whose
+    casts trust the stored scales. One compile each.
+    """
+    def run(state, batch):
+      if self._uncalibrated is None:
+        self._uncalibrated = self.calibration and _any_unobserved(state.fp8)
+      first = self._uncalibrated
+      state, metrics = self._compiled_step(microbatches, first)(state, batch)
+      if first:
+        self._uncalibrated = _any_unobserved(state.fp8)
+      return state, metrics
+    return run
+
+  def _compiled_step(self, microbatches: int, first: bool):
+    """The jitted step of the first (uncalibrated) or the calibrated model (one compile per
+    microbatch count and model)."""
+    key = (microbatches, first)
+    if key in self._steps:
+      return self._steps[key]
+    apply_fn = (self.first_model if first else self.model).apply
+    if self.group_seconds is not None:
+      step = self._balanced_step_fn(microbatches, apply_fn)
+    elif self.grad_comm == "fp8":
+      step = self._fp8_step_fn(microbatches, apply_fn)
+    elif self.zero is not None:
+      zero_step = self.zero.train_step(apply_fn, self.tx, microbatches,
+                                       wrap=guards.skip_nonfinite_steps)
+      step = lambda state, batch: zero_step(state, self.zero.shard_batch(batch))
+    else:
       inside = ("params", "opt_state") if self.fused_update is not None else ()
-      self._steps[microbatches] = jax.jit(guards.skip_nonfinite_steps(
-          make_train_step(self.model.apply, self.tx, microbatches,
+      step = jax.jit(guards.skip_nonfinite_steps(
+          make_train_step(apply_fn, self.tx, microbatches,
                           fused_update=self.fused_update), skipped_inside=inside),
           donate_argnums=0)
-    return self._steps[microbatches]
+    self._steps[key] = step
+    return step
 
   def next_batch(self, step: int) -> np.ndarray:
     """int32[microbatches * microbatch_size, T+1] for optimizer step `step`."""
@@ -363,6 +400,7 @@ class Trainer:
       raise RuntimeError(f"checkpoint step {restored.step} ran with BF16 GEMMs but the newer "
                          "damaged one did not; resume it explicitly")
     self.state = restored.state
+    self._uncalibrated = None
     self.train_batches.restore(restored.meta["data"])
     self.skips.total = int(restored.meta.get("skipped_steps", 0))
     print(f"fp8jax train: resumed from step {restored.step} ({self.checkpoints.directory})")
@@ -419,6 +457,7 @@ class Trainer:
                          "checkpoint.checkpoint_every_n_steps or lower the learning rate")
     now = jax.device_put(jnp.asarray(step + 1, jnp.int32), restored.state.step.sharding)
     self.state = restored.state._replace(step=now)
+    self._uncalibrated = None
     logger.warning("%d consecutive non-finite steps: reloaded checkpoint step %d, continuing "
                    "at step %d with the next batches", limit, restored.step, step + 1)
 
@@ -441,7 +480,8 @@ class Trainer:
     """Switches the run to BF16 (O0) GEMMs, keeping parameters and optimizer state; the
     reason is logged, written to metrics.jsonl and saved with every later checkpoint."""
     self.fallback_reason = reason
-    self.model = GPT(self.model_config, None)
+    self.model = self.first_model = GPT(self.model_config, None)
+    self.calibration, self._uncalibrated = False, False
     self.state = self.state._replace(fp8={})
     self._steps, self._health = {}, None
     self._eval = jax.jit(make_eval_step(self.model.apply))
@@ -455,6 +495,19 @@ class Trainer:
       with open(os.path.join(self.run_dir, "events.jsonl"), "a") as f:
         f.write(json.dumps({"step": int(self.state.step), "event": "bf16_fallback",
                             "reason": reason}) + "\n")
+
+
+def _any_unobserved(fp8_state) -> bool:
+  """True when some FP8 state (an Fp8Meta of `fp8_state`, stacked or not) has never observed
+  a tensor: its whole amax history is zero. Reads the values (waits for the device)."""
+  metas = jax.tree.leaves(fp8_state, is_leaf=lambda x: isinstance(x, Fp8Meta))
+  for m in metas:
+    if isinstance(m, Fp8Meta):
+      h = m.amax_history
+      h = np.asarray(h.addressable_data(0) if hasattr(h, "addressable_data") else h)
+      if h.size and bool((h.max(axis=-1) <= 0).any()):
+        return True
+  return False
 
 
 class _NoHeartbeat:
