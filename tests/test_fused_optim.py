@@ -231,3 +231,40 @@ def test_fused_step_with_finite_false_changes_nothing(fp8_grads):
       interpret=True))(g, state, master)
   for a, b in zip(jax.tree.leaves((master, state)), jax.tree.leaves((m2, s2))):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def _eqns_outside_kernels(jaxpr) -> int:
+  """Equations of `jaxpr`, nested jits included, outside the adam kernels' calls."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    sub = [p for p in eqn.params.values() if hasattr(p, "jaxpr")]
+    if eqn.primitive.name == "pallas_call" or eqn.params.get("name") == "adam_master_update":
+      continue
+    n += _eqns_outside_kernels(sub[0].jaxpr) if eqn.primitive.name in ("jit", "pjit") and sub \
+        else 1
+  return n
+
+
+def test_fused_step_prepares_scalars_with_few_ops_per_tensor():
+  """The per-tensor scalars, block maxima and new scales are built with whole-vector ops: each
+  extra tensor adds a handful of equations (its kernel call, payload reshapes, its scale
+  slices) around the kernels, not a few dozen."""
+  def eqns(num):
+    params = {f"t{i}": jax.random.normal(jax.random.key(i), (4, 2048)) for i in range(num)}
+    g = fo.quantize_updates(jax.tree.map(lambda x: x * 1e-3, params))
+    tx = fo.adamw(LR, weight_decay=0.1)
+    return _eqns_outside_kernels(jax.make_jaxpr(lambda g, s, m: adamw_master_step(
+        g, s, m, learning_rate=LR, weight_decay=0.1, finite=jnp.bool_(True), interpret=True))(
+            g, tx.init(params), fo.init_master(params)).jaxpr)
+  small, large = eqns(6), eqns(12)
+  assert (large - small) / 6 <= 16, (small, large)
+  assert small <= 260, small
+
+
+def test_tensor_maxima_of_unequal_block_counts():
+  from fp8jax.optim.fused import _tensor_maxima
+  blocks = np.random.default_rng(0).standard_normal(34).astype(np.float32)
+  for c in ([4, 8, 4, 16, 2], [4] * 5, [3, 1, 2]):  # gcd 2 + segments, reshape only, segments
+    b = blocks[:sum(c)]
+    want = [seg.max() for seg in np.split(b, np.cumsum(c)[:-1])]
+    np.testing.assert_array_equal(np.asarray(_tensor_maxima(jnp.asarray(b), c)), want)

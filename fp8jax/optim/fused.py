@@ -40,6 +40,71 @@ def _use_kernel(n: int, interpret) -> bool:
   return n % K.BLOCK == 0 and (interpret or jax.default_backend() == "gpu")
 
 
+def _stack_scales(scales) -> jax.Array:
+  """f32[L]: L per-tensor scales (f32[] arrays or Python floats), one stack."""
+  if all(isinstance(x, float) for x in scales):
+    return jnp.asarray(np.array(scales, np.float32).reshape(-1))
+  return jnp.stack([jnp.asarray(x, jnp.float32) for x in scales])
+
+
+def _write_scales(amax: jax.Array, dtypes) -> jax.Array:
+  """f32[L]: :func:`write_scales` of f32[L] amaxes for payload `dtypes` (one per tensor)."""
+  kinds = sorted(set(dtypes), key=str)
+  out = write_scales(amax, kinds[0]) if kinds else jnp.zeros((0,), jnp.float32)
+  for d in kinds[1:]:
+    out = jnp.where(np.array([x == d for x in dtypes], bool), write_scales(amax, d), out)
+  return out
+
+
+def _scalar_matrix(columns: dict, num: int) -> jax.Array:
+  """f32[num, K.NUM_SCALARS]: row i = tensor i's kernel scalars; `columns` maps each ``K.S_*``
+  index to an f32[num] vector or a scalar shared by all tensors."""
+  cols = [jnp.broadcast_to(jnp.asarray(columns[k], jnp.float32), (num,))
+          for k in range(K.NUM_SCALARS)]
+  return jnp.stack(cols, axis=1)
+
+
+def _scalar_table(scalars: jax.Array) -> jax.Array:
+  """f32[P]: the rows of `scalars` (f32[L, NUM_SCALARS]) back to back, zero-padded to a power
+  of two P (``K.scalar_table``'s layout: tensor i's row at ``i * NUM_SCALARS``)."""
+  flat = scalars.reshape(-1)
+  size = 1 << max(int(flat.shape[0]) - 1, 1).bit_length()
+  return jnp.pad(flat, (0, size - flat.shape[0]))
+
+
+def _tensor_maxima(blocks: jax.Array, counts) -> jax.Array:
+  """f32[len(counts)]: the max of each tensor's entries of `blocks` (f32[sum(counts)], tensor
+  j's ``counts[j] > 0`` entries consecutive, in order). Groups of gcd(counts) entries are
+  reduced by a reshape; a segmented max over a constant id vector finishes unequal counts."""
+  counts = [int(c) for c in counts]
+  g = math.gcd(*counts) or 1
+  part = blocks.reshape(-1, g).max(axis=1) if g > 1 else blocks
+  if all(c == g for c in counts):
+    return part
+  ids = np.repeat(np.arange(len(counts), dtype=np.int32), [c // g for c in counts])
+  return jax.ops.segment_max(part, ids, num_segments=len(counts), indices_are_sorted=True)
+
+
+def _merge_amaxes(kernel_amax, fallback_amax, kernel) -> jax.Array:
+  """f32[L] in tensor order from the kernel tensors' maxima (f32[#kernel] or None) and the
+  other tensors' (a list of f32[]); `kernel`: L bools."""
+  if not any(kernel):
+    return jnp.stack(fallback_amax) if fallback_amax else jnp.zeros((0,), jnp.float32)
+  if all(kernel):
+    return kernel_amax
+  kernel = np.array(kernel, bool)
+  rank = np.cumsum(kernel) - 1, np.cumsum(~kernel) - 1 + int(kernel.sum())
+  perm = np.where(kernel, rank[0], rank[1]).astype(np.int32)
+  return jnp.concatenate([kernel_amax, jnp.stack(fallback_amax)])[perm]
+
+
+def _unstack(v: jax.Array) -> list:
+  """The entries of f32[n] as n f32[] arrays (one split)."""
+  if v.shape[0] == 0:
+    return []
+  return [x.reshape(()) for x in jnp.split(v, v.shape[0])]
+
+
 def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1: float = 0.9,
                       b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
                       mask=None, finite=None, grad_scale=None, interpret: bool = False):
@@ -85,10 +150,12 @@ def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1:
     ok = jnp.all(jnp.isfinite(amax_g))
     if finite is not None:
       ok = ok & jnp.asarray(finite, jnp.bool_)
-  mu_old = jnp.stack([mu.scale for mu in mus]) if mus else jnp.zeros((0,))
-  nu_old = jnp.stack([nu.scale for nu in nus]) if nus else jnp.zeros((0,))
+  mu_old = _stack_scales([mu.scale for mu in mus])
+  nu_old = _stack_scales([nu.scale for nu in nus])
   mu_dtype = mus[0].data.dtype if mus else jnp.float8_e4m3fn
   nu_dtype = nus[0].data.dtype if nus else jnp.float16
+  g_scales = _stack_scales([g.scale if is_scaled(g) else 1.0 for g in g_leaves])
+  # Per leaf, then stacked (as the composed path: XLA folds constants differently otherwise).
   g_bound = moments.grad_bounds(g_leaves, amax_g)
   g_mult = jnp.float32(1.0) if grad_scale is None else jnp.asarray(grad_scale, jnp.float32)
   mu_scale, nu_scale = moments.next_scales(mu_old, nu_old, g_bound * g_mult, b1, b2, mu_dtype,
@@ -106,24 +173,25 @@ def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1:
       amaxes(w_leaves)
   seed = hash32(master.count.astype(jnp.uint32))
 
-  rows, w_scales, limits = [], [], []
-  for i, (g, mu, nu, w) in enumerate(zip(g_leaves, mus, nus, w_leaves)):
-    w_scale = write_scales(w_old_amax[i], w.data.dtype)
-    w_scales.append(w_scale)
-    limits.append(w_scale * payload_max(w.data.dtype))
-    g_scale = (g.scale if is_scaled(g) else 1.0) * g_mult
-    rows.append(jnp.stack([jnp.asarray(v, jnp.float32) for v in (
-        g_scale, mu.scale, nu.scale, _inv(mu_scale[i]), nu_scale[i], _inv(nu_scale[i]), bc1,
-        nu_scale[i] / jnp.sqrt(bc2), eps, weight_decay if decayed[i] else 0.0, step_size,
-        ok.astype(jnp.float32), w.scale, w_scale, _inv(w_scale))]))
+  w_dtypes = [np.dtype(w.data.dtype) for w in w_leaves]
+  w_old_scale = _stack_scales([w.scale for w in w_leaves])
+  w_scale = _write_scales(w_old_amax, w_dtypes)
+  limits = w_scale * np.array([payload_max(d) for d in w_dtypes], np.float32)
+  scalars = _scalar_matrix({
+      K.S_G: g_scales * g_mult, K.S_MU_OLD: mu_old, K.S_NU_OLD: nu_old,
+      K.S_INV_MU: _inv(mu_scale), K.S_NU_NEW: nu_scale, K.S_INV_NU: _inv(nu_scale),
+      K.S_BC1: bc1, K.S_RFAC: nu_scale / jnp.sqrt(bc2), K.S_EPS: eps,
+      K.S_WD: np.array([weight_decay if d else 0.0 for d in decayed], np.float32),
+      K.S_STEP: step_size, K.S_OK: ok.astype(jnp.float32), K.S_W_OLD: w_old_scale,
+      K.S_W_NEW: w_scale, K.S_INV_W: _inv(w_scale)}, len(w_leaves))
   sizes = [math.prod(w.data.shape) for w in w_leaves]
   kernel = [_use_kernel(n, interpret) for n in sizes]
   offsets = np.cumsum([0] + [n // K.BLOCK if k else 0 for n, k in zip(sizes, kernel)])
   if any(kernel):
-    table = K.scalar_table(rows)
+    table = _scalar_table(scalars)
     blocks = jnp.zeros((int(offsets[-1]),), jnp.float32)
 
-  new_mu, new_nu, new_w, new_amax = [], [], [], []
+  new_data, fallback_amax = [], []
   for i, (g, mu, nu, w) in enumerate(zip(g_leaves, mus, nus, w_leaves)):
     gd = g.data if is_scaled(g) else g
     shape = gd.shape
@@ -132,26 +200,25 @@ def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1:
           gd.reshape(-1), mu.data.reshape(-1), nu.data.reshape(-1), w.data.reshape(-1), table,
           seed.reshape(1), blocks, row=i, offset=int(offsets[i]), b1=b1, b2=b2,
           interpret=interpret, block=K.BLOCK, num_warps=K.NUM_WARPS)
-      amax = None  # from `blocks` below
     else:
       index = jnp.arange(sizes[i], dtype=jnp.uint32).reshape(shape)
       leaf_seed = seed + jnp.uint32(i)  # apply_master_updates' stream
-      m2, v2, w2, mag = K.update_reference(gd, mu.data, nu.data, w.data, rows[i], leaf_seed,
+      m2, v2, w2, mag = K.update_reference(gd, mu.data, nu.data, w.data, scalars[i], leaf_seed,
                                            index, b1, b2)
-      amax = jnp.max(mag, initial=0.0)
-    new_mu.append(ScaledArray(m2.reshape(shape), mu_scale[i]))
-    new_nu.append(ScaledArray(v2.reshape(shape), nu_scale[i]))
-    new_w.append(ScaledArray(w2.reshape(shape), jnp.where(ok, w_scales[i], w.scale)))
-    new_amax.append(amax)
-  if any(kernel):  # one segmented max over all kernel tensors' block maxima
-    ids = jnp.searchsorted(jnp.asarray(offsets[1:], jnp.int32),
-                           jnp.arange(int(offsets[-1]), dtype=jnp.int32), side="right")
-    seg = jax.ops.segment_max(blocks, ids, num_segments=len(sizes),
-                              indices_are_sorted=True)
-    new_amax = [seg[i] if a is None else a for i, a in enumerate(new_amax)]
+      fallback_amax.append(jnp.max(mag, initial=0.0))
+    new_data.append((m2.reshape(shape), v2.reshape(shape), w2.reshape(shape)))
+  kernel_amax = _tensor_maxima(blocks, np.diff(offsets)[np.array(kernel, bool)]) \
+      if any(kernel) else None
+  new_amax = _merge_amaxes(kernel_amax, fallback_amax, kernel)
+  new_scales = _unstack(jnp.concatenate([mu_scale, nu_scale,
+                                         jnp.where(ok, w_scale, w_old_scale)]))
+  n = len(w_leaves)
+  new_mu = [ScaledArray(d[0], sc) for d, sc in zip(new_data, new_scales[:n])]
+  new_nu = [ScaledArray(d[1], sc) for d, sc in zip(new_data, new_scales[n:2 * n])]
+  new_w = [ScaledArray(d[2], sc) for d, sc in zip(new_data, new_scales[2 * n:])]
 
-  amax_w = jnp.stack(new_amax) if new_amax else w_old_amax
-  clipped = ok & jnp.any(amax_w > jnp.stack(limits)) if limits else jnp.bool_(False)
+  amax_w = new_amax if n else w_old_amax
+  clipped = ok & jnp.any(amax_w > limits) if n else jnp.bool_(False)
   previous = jnp.zeros((), jnp.int32) if master.clipped is None else master.clipped
   unflat = lambda xs: jax.tree.unflatten(treedef, xs)
   new_adam = ScaleByAdamState(jnp.where(ok, count, adam_state.count), unflat(new_mu),
