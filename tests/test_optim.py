@@ -694,3 +694,18 @@ def test_parity_mlp_regression_300_steps(key):
           f"max per-step loss deviation {per_step:.2%}, trajectory {traj:.2%}")
     assert final < 0.05 and per_step < 0.05 and traj < 0.15
     assert traj > 1e-3  # FP8 state really was used (f32 storage gives ~2e-6)
+
+
+def test_index_bits_high_bits_are_uniform_over_elements_and_over_seeds():
+  """The stochastic-rounding bits (the top 13 for FP16) are uniform across a tensor's
+  elements for one seed and across steps' seeds for one element (chi-square, 16 bins)."""
+  from fp8jax.optim.rounding import index_bits
+  over_elements = np.asarray(index_bits(jnp.arange(1 << 16, dtype=jnp.uint32), 12345))
+  over_seeds = np.asarray(jax.vmap(lambda s: index_bits(jnp.uint32(777), s))(
+      jnp.arange(1 << 14, dtype=jnp.uint32)))
+  for bits in (over_elements, over_seeds):
+    counts = np.bincount(bits >> 28, minlength=16)
+    expected = counts.sum() / 16
+    assert np.sum((counts - expected) ** 2 / expected) < 37.7, counts  # p > 1e-3 at 15 dof
+    top13 = (bits >> 19).astype(np.float64) / (1 << 13)
+    assert abs(top13.mean() - 0.5) < 0.01
