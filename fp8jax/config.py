@@ -213,7 +213,6 @@ class ModelSection(_Section):
   norm: str = _field("rmsnorm", _one_of("rmsnorm", "layernorm"))
   remat: bool = False
   remat_save_fp8_weights: bool = True
-  remat_save_fp8_inputs: bool = False
   dtype: str = _field("bfloat16", _one_of("bfloat16", "float32"))
   param_dtype: str = _field("float32", _one_of("float32", "bfloat16"))
   tie_embeddings: bool = False
@@ -287,11 +286,13 @@ class TrainSection(_Section):
   fp8_health_every: int = _field(50, _ge(0))  # FP8 cast-health probe; 0 disables
   seed: int = _field(0, _ge(0))
   # O2 on one device: the AdamW + FP16-master update as one kernel per tensor
-  # (fp8jax.optim.fused; benchmarks/RESULTS.md "Optimizer update").
-  fused_optimizer: bool = False
+  # (fp8jax.optim.fused; benchmarks/RESULTS.md "Optimizer update"). auto: on for O2 runs
+  # on one GPU, off elsewhere; true refuses runs it cannot serve.
+  fused_optimizer: bool | str = _field("auto", _Rule(
+      lambda v: isinstance(v, bool) or v == "auto", "true, false or 'auto'"))
 
   def _check(self):
-    if self.fused_optimizer and self.opt_level != "O2":
+    if self.fused_optimizer is True and self.opt_level != "O2":
       _fail(f"train.fused_optimizer=True needs FP16 master weights on one device, i.e. "
             f"train.opt_level O2, not {self.opt_level!r}; use O2 or fused_optimizer false")
     if self.batch_size % self.microbatches:
@@ -522,7 +523,7 @@ class Config(_Section):
 
   def _check_fused_optimizer(self):
     p = self.parallel
-    if not self.train.fused_optimizer:
+    if self.train.fused_optimizer is not True:
       return
     for key, value, ok in (("zero_stage", p.zero_stage, 0), ("offload_optimizer",
                             p.offload_optimizer, False), ("device_map", p.device_map, None),

@@ -5,10 +5,9 @@ to ``lax.dot_general`` (XLA rewrites exactly that into a cuBLASLt FP8 GEMM on sm
 Backward: the output gradient cast to the backward format (E5M2); input gradient
 ``g x w^T`` and weight gradient ``x^T g`` are E5M2 x E4M3 FP8 GEMMs (never E5M2 x E5M2).
 The FP8 operands are the residuals, so saved activations take 1 byte per element. The
-weight's cast (FP8 payload, scale, amax) is tagged ``checkpoint_name(.., WEIGHT_CAST_NAME)``,
-the activation's ``INPUT_CAST_NAME``: under ``jax.checkpoint`` / ``nn.remat`` with a policy
-that saves those names (:data:`SAVE_FP8_WEIGHTS`, :data:`SAVE_FP8_OPERANDS`) the backward's
-recomputation reuses them instead of casting again.
+weight's cast (FP8 payload, scale, amax) is tagged ``checkpoint_name(.., WEIGHT_CAST_NAME)``:
+under ``jax.checkpoint`` / ``nn.remat`` with a policy that saves that name (see
+:data:`SAVE_FP8_WEIGHTS`) the backward's recomputation reuses it instead of casting again.
 
 With ``Recipe(fused_cast_transpose=True)`` (GPU, native FP8) activations and output gradients
 are cast by one fused kernel (:mod:`fp8jax.kernels.cast_transpose`) that also writes their
@@ -50,15 +49,8 @@ _LOGGED: set[str] = set()
 _NATIVE_OUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 # checkpoint_name of each GEMM's weight cast: FP8 payload (1 byte per weight), scale, amax.
 WEIGHT_CAST_NAME = "fp8jax_weight"
-# checkpoint_name of each GEMM's activation cast: FP8 payload(s) (1 byte per element, plus
-# the transposed copy of the fused kernel), scale, amax.
-INPUT_CAST_NAME = "fp8jax_input"
 # Remat policy that saves the weight casts and recomputes everything else.
 SAVE_FP8_WEIGHTS = jax.checkpoint_policies.save_only_these_names(WEIGHT_CAST_NAME)
-# Remat policy that saves the weight and activation casts: the recomputed forward GEMMs read
-# the saved FP8 operands, so no activation is cast (or its amax taken) a second time.
-SAVE_FP8_OPERANDS = jax.checkpoint_policies.save_only_these_names(WEIGHT_CAST_NAME,
-                                                                  INPUT_CAST_NAME)
 
 
 class Fp8DotMeta(NamedTuple):
@@ -251,11 +243,6 @@ def _fp8_matmul_fwd(x, w, meta: Fp8DotMeta, cfg: _Config):
     ax = scaling.compute_amax(x, cfg.amax_axes)
     sx = scaling.scale_for_cast(meta.input, ax, r, r.fwd_format)
     qx = qx_saved = scaling.quantize(x, sx, r.fwd_format)
-  if cfg.fused:
-    qx, qx_saved, sx, ax = _name_cast(INPUT_CAST_NAME, qx, qx_saved, sx, ax)
-  else:
-    qx, sx, ax = _name_cast(INPUT_CAST_NAME, qx, sx, ax)
-    qx_saved = qx
   aw = scaling.compute_amax(w, cfg.amax_axes)
   sw = scaling.scale_for_cast(meta.kernel, aw, r, r.fwd_format)
   qw = scaling.quantize(w, sw, r.fwd_format)

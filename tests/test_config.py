@@ -59,12 +59,16 @@ def test_defaults():
       ("O1", 1e-4, 1.0, 0.1, 0.1)
   assert (t.b1, t.b2, t.eps, t.microbatches, t.batch_ramp) == (0.9, 0.95, 1e-8, 1, None)
   assert (cfg.data.val_fraction, cfg.data.max_bytes) == (0.05, 32 * 2**20)
-  assert cfg.fp8.recipe() == Recipe()
+  # Training casts with the fused cast+transpose kernel where it runs (the library's Recipe
+  # leaves it off); calibration is the Trainer's (fp8.calibrate), never the config's recipe.
+  assert cfg.fp8.recipe() == Recipe(fused_cast_transpose=True)
+  assert (cfg.fp8.calibrate, t.fused_optimizer) == ("auto", "auto")
 
 
 def test_fp8_section_mirrors_every_recipe_field():
-  assert [f.name for f in dataclasses.fields(Fp8Section)] == \
-      [f.name for f in dataclasses.fields(Recipe)]
+  """Every Recipe field but `calibrated` (set by the Trainer), plus `calibrate`."""
+  recipe_fields = [f.name for f in dataclasses.fields(Recipe) if f.name != "calibrated"]
+  assert [f.name for f in dataclasses.fields(Fp8Section)] == recipe_fields + ["calibrate"]
 
 
 def test_model_section_matches_model_config_fields():
@@ -230,5 +234,6 @@ def test_seed_batch_ramp_1m_to_4m_tokens():
 
 def test_level_takes_recipe_from_fp8_section():
   cfg = load_config(None, ["fp8.amax_history_len=4", "fp8.power_of_two_scales=true"])
-  assert cfg.level().recipe == Recipe(amax_history_len=4, power_of_two_scales=True)
+  assert cfg.level().recipe == Recipe(amax_history_len=4, power_of_two_scales=True,
+                                     fused_cast_transpose=True)
   assert load_config(None, ["train.opt_level=O0"]).level().recipe is None

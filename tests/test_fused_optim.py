@@ -214,6 +214,14 @@ def test_trainer_fused_optimizer_tracks_the_composed_path():
     with pytest.raises(ValueError, match=what):
       load_config("configs/tiny.yaml", ["train.opt_level=O2", "train.fused_optimizer=true"]
                   + bad)
+  with pytest.raises(ValueError, match=r"train\.fused_optimizer='sometimes'.*'auto'"):
+    load_config("configs/tiny.yaml", ["train.fused_optimizer=sometimes"])
+  # auto (the default): on for O2 on one GPU, off for other levels and elsewhere; never refused
+  for level in ("O1", "O2"):
+    cfg = load_config("configs/tiny.yaml", [f"train.opt_level={level}", "parallel.zero_stage=1"])
+    assert cfg.train.fused_optimizer == "auto"
+  auto = Trainer(load_config("configs/tiny.yaml", ["train.opt_level=O2"]), progress=False)
+  assert (auto.fused_update is not None) is (jax.default_backend() == "gpu")
 
 
 @pytest.mark.parametrize("fp8_grads", [True, False])

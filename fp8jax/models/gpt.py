@@ -24,7 +24,7 @@ import numpy as np
 from jax import lax
 
 from fp8jax import FP8_COLLECTION, Recipe
-from fp8jax.dot import INPUT_CAST_NAME, WEIGHT_CAST_NAME
+from fp8jax.dot import SAVE_FP8_WEIGHTS
 from fp8jax.linen import HEALTH_COLLECTION, PERTURBATIONS, Fp8DotGeneral
 
 MLPS = ("gelu", "swiglu")
@@ -51,10 +51,6 @@ class ModelConfig:
       (1 byte per weight, all layers) instead of casting the weights again in the
       recomputation (``fp8jax.dot.SAVE_FP8_WEIGHTS``); bit-identical results. No effect
       without remat or without a recipe.
-    remat_save_fp8_inputs: with remat, also keep each FP8 GEMM's activation cast (its FP8
-      payloads: 1 byte per element, 2 with the fused cast+transpose kernel's transposed copy)
-      so the recomputed forward GEMMs read them instead of casting (and reducing) the
-      activations again (``fp8jax.dot.SAVE_FP8_OPERANDS``); more memory, bit-identical.
     dtype: compute dtype name of activations and BF16 GEMMs ("bfloat16", "float32", ...).
     param_dtype: storage dtype name of parameters.
     tie_embeddings: the LM head reuses the embedding matrix (then it is a BF16 GEMM).
@@ -73,7 +69,6 @@ class ModelConfig:
   norm: str = "rmsnorm"
   remat: bool = False
   remat_save_fp8_weights: bool = True
-  remat_save_fp8_inputs: bool = False
   dtype: str = "bfloat16"
   param_dtype: str = "float32"
   tie_embeddings: bool = False
@@ -93,7 +88,7 @@ class ModelConfig:
     for name, allowed in (("mlp", MLPS), ("norm", NORMS), ("dtype", DTYPES),
                           ("param_dtype", PARAM_DTYPES), ("attention_impl", ATTENTION_IMPLS)):
       _check_choice(name, getattr(self, name), allowed)
-    for name in ("remat", "remat_save_fp8_weights", "remat_save_fp8_inputs", "tie_embeddings"):
+    for name in ("remat", "remat_save_fp8_weights", "tie_embeddings"):
       if not isinstance(getattr(self, name), (bool, np.bool_)):
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not allowed; "
                          "use True or False")
@@ -276,9 +271,7 @@ class GPT(nn.Module):
     """The n_layers blocks under nn.scan (and nn.remat when configured)."""
     block = Block
     if self.config.remat:
-      saved = [name for name, on in ((WEIGHT_CAST_NAME, self.config.remat_save_fp8_weights),
-                                     (INPUT_CAST_NAME, self.config.remat_save_fp8_inputs)) if on]
-      policy = jax.checkpoint_policies.save_only_these_names(*saved) if saved else None
+      policy = SAVE_FP8_WEIGHTS if self.config.remat_save_fp8_weights else None
       block = nn.remat(Block, prevent_cse=False, policy=policy)
     stacked = {"params": 0, FP8_COLLECTION: 0, HEALTH_COLLECTION: 0, PERTURBATIONS: 0}
     scanned = nn.scan(block, variable_axes=stacked,

@@ -64,13 +64,16 @@ class Trainer:
       raise ValueError("parallel.grad_comm='fp8' needs at least 2 data-parallel ranks; this "
                        f"run has {parallel_describe(self.zero.mesh)}; use parallel.grad_comm "
                        "'native' / 'auto' or more devices")
-    if t.fused_optimizer and self.zero is not None:
+    if t.fused_optimizer is True and self.zero is not None:
       raise ValueError("train.fused_optimizer=True runs on one device (unsharded arrays); this "
                        f"run has {parallel_describe(self.zero.mesh)}; use "
                        "train.fused_optimizer false or one device")
+    fused = t.fused_optimizer is True or (
+        t.fused_optimizer == "auto" and self.level.name == "O2" and self.zero is None
+        and jax.default_backend() == "gpu")
     self.fused_update = make_fused_update(
         self.schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
-        clip_norm=t.gradient_clipping) if t.fused_optimizer else None
+        clip_norm=t.gradient_clipping) if fused else None
     if self.zero is not None:
       self.state = self.zero.shard_state(self.state)
     self.group_seconds = self._group_seconds()  # None: uniform split (no device_map)
