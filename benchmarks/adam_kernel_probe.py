@@ -163,9 +163,11 @@ def main(argv=None):
   state = (mu + 0, nu + 0, w + 0, jnp.zeros((n // K.BLOCK,), jnp.float32))
   table = K.scalar_table([sc])
 
+  scales = tuple(jnp.ones((1,), jnp.float32) for _ in range(3))
+
   def shipped(*state):
-    out = donated(g, *state[:3], table, seed, state[3])
-    return out
+    *out, _ = donated(g, *state[:3], table, seed, state[3], scales)
+    return tuple(out)
   for _ in range(3):
     state = shipped(*state)
   jax.block_until_ready(state)

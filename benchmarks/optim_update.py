@@ -38,6 +38,7 @@ import optax
 
 import fp8jax.optim as fo
 
+KERNEL_NAMES = False  # --kernel-names: list each traced mode's kernels by name
 MODES = ("optax", "fp8jax", "fp8jax O2", "O2 fused", "O2 fused, finite given", "clip+optax",
          "clip+O2 fused", "O2 payload-amax", "O2 nearest")
 
@@ -128,6 +129,12 @@ def _kernel_time(compiled, params, state, grads, iters: int):
       jax.block_until_ready((params, state))
     path = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)[0]
     kernels = gpu_kernels(path)
+  if KERNEL_NAMES:
+    import collections
+    counts = collections.Counter(name for name, _ in kernels)
+    print(f"kernels per step by name ({len(counts)} names):")
+    for name, c in counts.most_common():
+      print(f"  {c / iters:6.1f}  {name[:100]}")
   return params, state, sum(us for _, us in kernels) / iters / 1e3, len(kernels) / iters
 
 
@@ -197,7 +204,11 @@ def main(argv=None):
                   help="write each mode's compiled step to PREFIX.<mode>.hlo.txt")
   ap.add_argument("--profile", action="store_true",
                   help="also trace each mode on the GPU: kernel ms and kernels per step")
+  ap.add_argument("--kernel-names", action="store_true",
+                  help="with --profile: list each mode's GPU kernels per step by name")
   args = ap.parse_args(argv)
+  global KERNEL_NAMES
+  KERNEL_NAMES = args.kernel_names
 
   shapes = _shapes(args.params, args.tensors)
   n = sum(int(np.prod(s)) for s in shapes)

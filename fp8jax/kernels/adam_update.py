@@ -4,14 +4,14 @@ XLA splits this update into ~9 kernels per tensor that re-read the moments; this
 (Triton backend) reads gradient, moments and master weight once and writes the three new
 payloads once (11 bytes per parameter with FP8 gradients), plus a per-block max |new weight|.
 
-`adam_master_update(g, mu, nu, w, table, seed, amax, row=i, offset=k)` works on tensor i's
-payloads flattened to [N] (N a multiple of `BLOCK`). All tensors of a step share one scalar
-table (row i: f32[NUM_SCALARS], see `S_*` below), one u32[1] seed of the master weight's
-stochastic rounding (:mod:`fp8jax.optim.rounding`'s stream; tensor i uses seed + i) and one
-f32 buffer of per-block max |new weight| (tensor i writes entries k .. k + N / BLOCK), so a
-step of L tensors is L kernels and a handful of small XLA ops. The per-element math is
-:func:`update_reference`'s, which mirrors ``fp8jax.optim.adamw`` followed by
-``apply_master_updates``.
+`adam_master_update(g, mu, nu, w, table, seed, amax, scales, row=i, offset=k)` works on
+tensor i's payloads flattened to [N] (N a multiple of `BLOCK`). All tensors of a step share
+one scalar table (row i: f32[NUM_SCALARS], see `S_*` below), one u32[1] seed of the master
+weight's stochastic rounding (:mod:`fp8jax.optim.rounding`'s stream; tensor i uses seed + i)
+and one f32 buffer of per-block max |new weight| (tensor i writes entries k .. k + N / BLOCK);
+each kernel also writes its tensor's three new scales in place, so a step of L tensors is L
+kernels and a handful of small XLA ops. The per-element math is :func:`update_reference`'s,
+which mirrors ``fp8jax.optim.adamw`` followed by ``apply_master_updates``.
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ BLOCK = 2048
 NUM_WARPS = 8
 # Indices into the f32 scalar vector (per tensor).
 (S_G, S_MU_OLD, S_NU_OLD, S_INV_MU, S_NU_NEW, S_INV_NU, S_BC1, S_RFAC, S_EPS, S_WD, S_STEP,
- S_OK, S_W_OLD, S_W_NEW, S_INV_W) = range(15)
-NUM_SCALARS = 15
+ S_OK, S_W_OLD, S_W_NEW, S_INV_W, S_MU_NEW) = range(16)
+NUM_SCALARS = 16
 
 
 def update_math(g, mu, nu, w, s, seed, index, b1: float, b2: float):
@@ -72,15 +72,23 @@ def update_reference(g, mu, nu, w, s, seed, index, b1: float, b2: float):
           jnp.where(ok, mag, 0.0))
 
 
-def _kernel(g_ref, mu_ref, nu_ref, w_ref, s_ref, seed_ref, amax_in, mu_out, nu_out, w_out,
-            amax_out, *, b1, b2, block, row):
-  """One block; a skipped step (s[S_OK] == 0) writes nothing: the outputs alias the inputs."""
-  del amax_in  # aliased to amax_out; other tensors' entries stay as they are
+def _kernel(g_ref, mu_ref, nu_ref, w_ref, s_ref, seed_ref, amax_in, mu_s_in, nu_s_in, w_s_in,
+            mu_out, nu_out, w_out, amax_out, mu_s_out, nu_s_out, w_s_out, *, b1, b2, block,
+            row):
+  """One block; a skipped step (s[S_OK] == 0) writes nothing: the outputs alias the inputs.
+  The first block also writes the tensor's three new scales."""
+  del amax_in, mu_s_in, nu_s_in, w_s_in  # aliased to the outputs
   from jax.experimental import pallas as pl
   s = [s_ref[row * NUM_SCALARS + i] for i in range(NUM_SCALARS)]
+  first = pl.program_id(0) == 0
   index = (pl.program_id(0).astype(jnp.uint32) * jnp.uint32(block)
            + lax.broadcasted_iota(jnp.uint32, (block,), 0))
   seed = seed_ref[0] + jnp.uint32(row)
+
+  @pl.when((s[S_OK] > 0) & first)
+  def _():
+    for ref, k in ((mu_s_out, S_MU_NEW), (nu_s_out, S_NU_NEW), (w_s_out, S_W_NEW)):
+      ref[...] = jnp.broadcast_to(s[k], (1,))
 
   @pl.when(s[S_OK] > 0)
   def _():
@@ -102,15 +110,17 @@ def scalar_table(rows) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("row", "offset", "b1", "b2", "interpret", "block",
                                              "num_warps"))
-def adam_master_update(g, mu, nu, w, table, seed, amax, *, row: int, offset: int, b1: float,
-                       b2: float, interpret: bool = False, block: int = BLOCK,
+def adam_master_update(g, mu, nu, w, table, seed, amax, scales, *, row: int, offset: int,
+                       b1: float, b2: float, interpret: bool = False, block: int = BLOCK,
                        num_warps: int = NUM_WARPS):
   """The fused update of tensor `row` (see the module docstring); payloads f[N].
 
   `table`: :func:`scalar_table` of all tensors; `seed`: u32[1] base seed (tensor `row` uses
   ``seed + row``); `amax`: f32[M], whose entries ``offset .. offset + N / block`` receive the
-  blocks' max |new weight| (the others are kept). mu, nu, w and amax are updated in place when
-  donated. Returns (mu', nu', w', amax').
+  blocks' max |new weight| (the others are kept); `scales`: the tensor's (mu, nu, w) scales,
+  f32[1] each, which become the table's S_MU_NEW, S_NU_NEW, S_W_NEW (kept when the step is
+  skipped). mu, nu, w, amax and the scales are updated in place when donated, so the step
+  launches no extra kernel per tensor for them. Returns (mu', nu', w', amax', scales').
   """
   from jax.experimental import pallas as pl
   n = g.shape[0]
@@ -127,13 +137,18 @@ def adam_master_update(g, mu, nu, w, table, seed, amax, *, row: int, offset: int
   if not interpret:
     from jax.experimental.pallas import triton as plt
     params = dict(compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1))
-  return pl.pallas_call(
+  one = pl.BlockSpec((1,), lambda i: (0,))
+  scalar = jax.ShapeDtypeStruct((1,), jnp.float32)
+  scales = tuple(jnp.asarray(x, jnp.float32).reshape(1) for x in scales)
+  *out, mu_s, nu_s, w_s = pl.pallas_call(
       functools.partial(_kernel, b1=b1, b2=b2, block=block, row=row), grid=(grid,),
-      in_specs=[vec, vec, vec, vec, pl.BlockSpec(table.shape, lambda i: (0,)),
-                pl.BlockSpec((1,), lambda i: (0,)), blocks],
-      out_specs=[vec, vec, vec, blocks],
+      in_specs=[vec, vec, vec, vec, pl.BlockSpec(table.shape, lambda i: (0,)), one, blocks,
+                one, one, one],
+      out_specs=[vec, vec, vec, blocks, one, one, one],
       out_shape=[jax.ShapeDtypeStruct((n,), mu.dtype), jax.ShapeDtypeStruct((n,), nu.dtype),
                  jax.ShapeDtypeStruct((n,), w.dtype),
-                 jax.ShapeDtypeStruct(amax.shape, jnp.float32)],
-      input_output_aliases={1: 0, 2: 1, 3: 2, 6: 3},  # mu, nu, w, amax updated in place
-      interpret=interpret, **params)(g, mu, nu, w, table, seed, amax)
+                 jax.ShapeDtypeStruct(amax.shape, jnp.float32), scalar, scalar, scalar],
+      # mu, nu, w, amax and the three scales updated in place
+      input_output_aliases={1: 0, 2: 1, 3: 2, 6: 3, 7: 4, 8: 5, 9: 6},
+      interpret=interpret, **params)(g, mu, nu, w, table, seed, amax, *scales)
+  return (*out, (mu_s, nu_s, w_s))

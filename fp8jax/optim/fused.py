@@ -183,7 +183,7 @@ def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1:
       K.S_BC1: bc1, K.S_RFAC: nu_scale / jnp.sqrt(bc2), K.S_EPS: eps,
       K.S_WD: np.array([weight_decay if d else 0.0 for d in decayed], np.float32),
       K.S_STEP: step_size, K.S_OK: ok.astype(jnp.float32), K.S_W_OLD: w_old_scale,
-      K.S_W_NEW: w_scale, K.S_INV_W: _inv(w_scale)}, len(w_leaves))
+      K.S_W_NEW: w_scale, K.S_INV_W: _inv(w_scale), K.S_MU_NEW: mu_scale}, len(w_leaves))
   sizes = [math.prod(w.data.shape) for w in w_leaves]
   kernel = [_use_kernel(n, interpret) for n in sizes]
   offsets = np.cumsum([0] + [n // K.BLOCK if k else 0 for n, k in zip(sizes, kernel)])
@@ -191,15 +191,17 @@ def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1:
     table = _scalar_table(scalars)
     blocks = jnp.zeros((int(offsets[-1]),), jnp.float32)
 
-  new_data, fallback_amax = [], []
+  new_data, fallback_amax, kernel_scales = [], [], {}
   for i, (g, mu, nu, w) in enumerate(zip(g_leaves, mus, nus, w_leaves)):
     gd = g.data if is_scaled(g) else g
     shape = gd.shape
     if kernel[i]:
-      m2, v2, w2, blocks = K.adam_master_update(
+      m2, v2, w2, blocks, sc = K.adam_master_update(
           gd.reshape(-1), mu.data.reshape(-1), nu.data.reshape(-1), w.data.reshape(-1), table,
-          seed.reshape(1), blocks, row=i, offset=int(offsets[i]), b1=b1, b2=b2,
-          interpret=interpret, block=K.BLOCK, num_warps=K.NUM_WARPS)
+          seed.reshape(1), blocks, (mu.scale, nu.scale, w.scale), row=i,
+          offset=int(offsets[i]), b1=b1, b2=b2, interpret=interpret, block=K.BLOCK,
+          num_warps=K.NUM_WARPS)
+      kernel_scales[i] = [x.reshape(()) for x in sc]  # written by the kernel: no slices
     else:
       index = jnp.arange(sizes[i], dtype=jnp.uint32).reshape(shape)
       leaf_seed = seed + jnp.uint32(i)  # apply_master_updates' stream
@@ -210,12 +212,17 @@ def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1:
   kernel_amax = _tensor_maxima(blocks, np.diff(offsets)[np.array(kernel, bool)]) \
       if any(kernel) else None
   new_amax = _merge_amaxes(kernel_amax, fallback_amax, kernel)
-  new_scales = _unstack(jnp.concatenate([mu_scale, nu_scale,
-                                         jnp.where(ok, w_scale, w_old_scale)]))
   n = len(w_leaves)
-  new_mu = [ScaledArray(d[0], sc) for d, sc in zip(new_data, new_scales[:n])]
-  new_nu = [ScaledArray(d[1], sc) for d, sc in zip(new_data, new_scales[n:2 * n])]
-  new_w = [ScaledArray(d[2], sc) for d, sc in zip(new_data, new_scales[2 * n:])]
+  new_scales = [kernel_scales.get(i) for i in range(n)]
+  if not all(kernel):  # the other tensors' new scales: one split of the stacked vectors
+    rest = np.flatnonzero(~np.array(kernel, bool))
+    cols = jnp.stack([mu_scale, nu_scale, jnp.where(ok, w_scale, w_old_scale)], axis=1)
+    flat = _unstack(cols[rest].reshape(-1))
+    for j, i in enumerate(rest):
+      new_scales[i] = flat[3 * j:3 * j + 3]
+  new_mu = [ScaledArray(d[0], sc[0]) for d, sc in zip(new_data, new_scales)]
+  new_nu = [ScaledArray(d[1], sc[1]) for d, sc in zip(new_data, new_scales)]
+  new_w = [ScaledArray(d[2], sc[2]) for d, sc in zip(new_data, new_scales)]
 
   amax_w = new_amax if n else w_old_amax
   clipped = ok & jnp.any(amax_w > limits) if n else jnp.bool_(False)
