@@ -26,8 +26,8 @@ from fp8jax.config import load_config
 from fp8jax.train.loop import Trainer
 
 CATEGORIES = (  # first match wins
-    ("gemm", re.compile(r"gemm|cublas|nvjet|xmma|cutlass|matmul|sm\d\d_", re.I)),
-    ("attention", re.compile(r"fmha|flash|cudnn|attn|sdpa", re.I)),
+    ("attention", re.compile(r"fmha|flash|cudnn|attn|sdpa", re.I)),  # before gemm: cuDNN's
+    ("gemm", re.compile(r"gemm|cublas|nvjet|xmma|cutlass|matmul|sm\d\d_", re.I)),  # "wgmma"
     ("collective", re.compile(r"nccl|all_reduce|all_gather|reduce_scatter", re.I)),
     ("fusion:reduce", re.compile(r"reduce", re.I)),
     ("fusion:convert", re.compile(r"convert", re.I)),
