@@ -281,6 +281,19 @@ def test_profile_measures_sizes_and_round_trips(tmp_path):
   assert small["points"] == [{**small["points"][0], "fits": False, "seconds": None}]
 
 
+def test_profile_calibrates_like_the_trainer(monkeypatch):
+  """With fp8.calibrate on, the profile times the calibrated step (after one uncalibrated
+  step), as the Trainer runs it."""
+  from fp8jax.train import build
+  models = []
+  real = build.calibrated
+  monkeypatch.setattr(build, "calibrated", lambda m: models.append(real(m)) or models[-1])
+  data = profile_lib.measure(_tiny(**{"fp8.calibrate": "always"}), [1], steps=1)
+  assert data["points"][0]["fits"] and len(models) == 1 and models[0].recipe.calibrated
+  profile_lib.measure(_tiny(**{"fp8.calibrate": "never"}), [1], steps=1)
+  assert len(models) == 1
+
+
 def test_trainer_runs_balanced_and_matches_the_uniform_run(tmp_path):
   from fp8jax.train.loop import Trainer
   runs = {}

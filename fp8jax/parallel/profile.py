@@ -117,7 +117,7 @@ def measure(config, sizes: Sequence[int], steps: int = 5,
   import jax
 
   from fp8jax.parallel.capability import local_report
-  from fp8jax.train.build import model_and_optimizer
+  from fp8jax.train.build import calibrated, calibration_on, model_and_optimizer
   from fp8jax.train.guards import skip_nonfinite_steps
   from fp8jax.train.state import init_state
   from fp8jax.train.step import make_train_step
@@ -135,9 +135,18 @@ def measure(config, sizes: Sequence[int], steps: int = 5,
     # Committed to the device, so the step's output (committed) matches its input: one
     # compile per size.
     state = jax.device_put(init_state(model, tx, level, sizes[0], d.seq_len, t.seed), device)
-    step = jax.jit(skip_nonfinite_steps(make_train_step(model.apply, tx, 1)),
-                   donate_argnums=0)
+    make_step = lambda model: jax.jit(skip_nonfinite_steps(make_train_step(model.apply, tx, 1)),
+                                      donate_argnums=0)
+    step = make_step(model)
     rng = np.random.default_rng(0)
+    if calibration_on(config):  # as the Trainer: one uncalibrated step, then calibrated casts
+      first = rng.integers(0, config.model.vocab_size, (sizes[0], d.seq_len + 1), np.int32)
+      try:
+        state, _ = step(state, jax.device_put(first, device))
+        step = make_step(calibrated(model))
+      except Exception as e:  # noqa: BLE001 - out of memory: the sweep below records it
+        if not _is_oom(e):
+          raise
     for m in sizes:
       batch = jax.device_put(rng.integers(0, config.model.vocab_size, (m, d.seq_len + 1),
                                           dtype=np.int32), device)

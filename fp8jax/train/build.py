@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from fp8jax.dot import native_fp8_reason
 from fp8jax.models.gpt import GPT, ModelConfig
 from fp8jax.train.optimizer import lr_schedule, make_optimizer
 
@@ -16,3 +17,18 @@ def model_and_optimizer(config):
   tx = make_optimizer(schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
                       clip_norm=t.gradient_clipping, level=level)
   return model, schedule, tx
+
+
+def calibration_on(config) -> bool:
+  """fp8.calibrate resolved: whether steps after the first run ``Recipe(calibrated=True)``
+  (delayed scaling at an FP8 level; auto: where FP8 GEMMs are native)."""
+  recipe, mode = config.level().recipe, config.fp8.calibrate
+  if recipe is None or recipe.scaling != "delayed" or mode == "never":
+    return False
+  return mode == "always" or native_fp8_reason() is None
+
+
+def calibrated(model: GPT) -> GPT:
+  """`model` whose casts trust their stored scales (every FP8 state must have observed a
+  tensor first, e.g. after one step of `model`)."""
+  return model.clone(recipe=model.recipe.replace(calibrated=True))

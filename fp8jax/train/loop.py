@@ -27,7 +27,7 @@ from fp8jax.parallel import device_map as device_map_lib
 from fp8jax.train import balanced, guards
 from fp8jax.train import metrics as metrics_lib
 from fp8jax.train.health import fp8_cast_health
-from fp8jax.train.build import model_and_optimizer
+from fp8jax.train.build import calibrated, calibration_on, model_and_optimizer
 from fp8jax.train.optimizer import make_fused_update
 from fp8jax.train.state import TrainState, init_state
 from fp8jax.train.step import cross_entropy, make_eval_step, make_train_step
@@ -53,9 +53,9 @@ class Trainer:
     self.train_batches = self.data.batches("train", t.microbatch_size, d.seq_len, seed=d.seed)
     self.capability = capability.agree(config.parallel.fp8_capability)
     self.first_model = self.model  # casts never-observed FP8 states just in time
-    self.calibration = self._calibration_on()
+    self.calibration = calibration_on(config)
     if self.calibration:  # after the first step: every cast trusts its stored scale
-      self.model = self.model.clone(recipe=self.model.recipe.replace(calibrated=True))
+      self.model = calibrated(self.model)
     self._uncalibrated: bool | None = None  # None: not checked yet for the current state
     self.state = self._init_state()
     self.grad_comm = config.grad_comm()  # "fp8" or "native"
@@ -89,13 +89,6 @@ class Trainer:
     self.flops_per_token = flops_per_token(self.model_config, d.seq_len)
     self.fp8_peak = self.level.fp8_gemms and native_fp8_reason() is None
     self._init_guards()
-
-  def _calibration_on(self) -> bool:
-    """fp8.calibrate: whether steps after the first use ``Recipe(calibrated=True)``."""
-    recipe, mode = self.level.recipe, self.config.fp8.calibrate
-    if recipe is None or recipe.scaling != "delayed" or mode == "never":
-      return False
-    return mode == "always" or native_fp8_reason() is None
 
   def _init_state(self) -> TrainState:
     t, d = self.config.train, self.config.data
