@@ -7,8 +7,8 @@
 
 Each ``--run LABEL=LEVEL[,key=value...]`` is measured in its own subprocess (so the device's
 peak memory is that run's alone) on the same config, data and batch: two warm-up steps
-(compilation; the Trainer's first step runs its uncalibrated FP8 model, see fp8.calibrate), then ``--steps`` steps timed with the host clock around a blocking step
-(median). ``--set`` overrides apply to every run. Prints tokens/s, the ratio to the first run,
+(compilation; the Trainer's first step runs its uncalibrated FP8 model, see fp8.calibrate),
+then ``--steps`` steps timed with the host clock around a blocking step (median). ``--set`` overrides apply to every run. Prints tokens/s, the ratio to the first run,
 MFU (against the FP8 peak for FP8 levels, BF16 for O0), peak device memory and compile time.
 """
 from __future__ import annotations
