@@ -101,9 +101,10 @@ def _kernel(g_ref, mu_ref, nu_ref, w_ref, s_ref, seed_ref, amax_in, mu_s_in, nu_
 
 
 def scalar_table(rows) -> jax.Array:
-  """f32[P]: the per-tensor scalar vectors (each f32[NUM_SCALARS]) back to back, zero-padded
-  to a power of two (a Triton block must be one); tensor `i` reads row `i`."""
-  flat = jnp.concatenate([jnp.asarray(r, jnp.float32) for r in rows])
+  """f32[P]: the per-tensor scalar vectors (f32[L, NUM_SCALARS], or L vectors of
+  f32[NUM_SCALARS]) back to back, zero-padded to a power of two (a Triton block must be one);
+  tensor `i` reads row `i` at ``i * NUM_SCALARS``."""
+  flat = jnp.asarray(rows, jnp.float32).reshape(-1)
   size = 1 << max(int(flat.shape[0]) - 1, 1).bit_length()
   return jnp.pad(flat, (0, size - flat.shape[0]))
 

@@ -64,14 +64,6 @@ def _scalar_matrix(columns: dict, num: int) -> jax.Array:
   return jnp.stack(cols, axis=1)
 
 
-def _scalar_table(scalars: jax.Array) -> jax.Array:
-  """f32[P]: the rows of `scalars` (f32[L, NUM_SCALARS]) back to back, zero-padded to a power
-  of two P (``K.scalar_table``'s layout: tensor i's row at ``i * NUM_SCALARS``)."""
-  flat = scalars.reshape(-1)
-  size = 1 << max(int(flat.shape[0]) - 1, 1).bit_length()
-  return jnp.pad(flat, (0, size - flat.shape[0]))
-
-
 def _tensor_maxima(blocks: jax.Array, counts) -> jax.Array:
   """f32[len(counts)]: the max of each tensor's entries of `blocks` (f32[sum(counts)], tensor
   j's ``counts[j] > 0`` entries consecutive, in order). Groups of gcd(counts) entries are
@@ -188,7 +180,7 @@ def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1:
   kernel = [_use_kernel(n, interpret) for n in sizes]
   offsets = np.cumsum([0] + [n // K.BLOCK if k else 0 for n, k in zip(sizes, kernel)])
   if any(kernel):
-    table = _scalar_table(scalars)
+    table = K.scalar_table(scalars)
     blocks = jnp.zeros((int(offsets[-1]),), jnp.float32)
 
   new_data, fallback_amax, kernel_scales = [], [], {}
