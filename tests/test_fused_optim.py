@@ -276,3 +276,14 @@ def test_tensor_maxima_of_unequal_block_counts():
     b = blocks[:sum(c)]
     want = [seg.max() for seg in np.split(b, np.cumsum(c)[:-1])]
     np.testing.assert_array_equal(np.asarray(_tensor_maxima(jnp.asarray(b), c)), want)
+
+
+def test_fused_update_refuses_params_without_master_weights():
+  from fp8jax.train.state import TrainState
+  from fp8jax.train.step import apply_gradients
+  params = {"w": jax.random.normal(jax.random.key(5), (4, 4))}
+  state = TrainState(jnp.zeros((), jnp.int32), params, {}, optax.adam(1e-3).init(params))
+  grads = {"params": jax.tree.map(jnp.ones_like, params)}
+  with pytest.raises(ValueError, match="needs FP16 master weights.*got params of type dict"):
+    apply_gradients(state, optax.adam(1e-3), grads, jnp.float32(1.0),
+                    fused_update=lambda *a: a[:2])

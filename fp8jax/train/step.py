@@ -89,12 +89,15 @@ def apply_gradients(state: TrainState, tx: optax.GradientTransformation, grads, 
 
   `grads`: the step's gradient of all variables: mean parameter gradients under "params"
   and the FP8 state combined by max over microbatches under the FP8 collection.
-  `fused_update`: see :func:`make_train_step` (used for master weights only).
+  `fused_update`: see :func:`make_train_step` (master weights only; other params raise).
   """
   param_grads = grads["params"]
   grad_norm = optax.tree.norm(param_grads)
   fp8 = apply_fp8_updates(state.variables(), grads).get(FP8_COLLECTION, {})
-  if fused_update is not None and isinstance(state.params, MasterWeights):
+  if fused_update is not None and not isinstance(state.params, MasterWeights):
+    raise ValueError("fused_update needs FP16 master weights (level O2: params are "
+                     f"MasterWeights), got params of type {type(state.params).__name__}")
+  if fused_update is not None:
     # It skips a step whose loss or gradients are not finite by itself (nothing changes).
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     new_params, opt_state = fused_update(state.params, state.opt_state, param_grads, finite,
