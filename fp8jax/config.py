@@ -327,6 +327,10 @@ class Fp8Section(_Section):
   # The Trainer's first step casts never-observed FP8 states just in time; later steps use
   # Recipe(calibrated=True) (each amax fused into its cast). auto: when FP8 GEMMs are native.
   calibrate: str = _field("auto", _one_of("auto", "always", "never"))
+  # With train.microbatches > 1: each FP8 GEMM's weight is cast (and amax-reduced) once per
+  # optimizer step for all microbatches instead of once per microbatch (ZeRO stages 0-2,
+  # not with device_map / FP8 gradient communication). Bit-identical either way.
+  cast_weights_once: bool = True
 
   def _check(self):
     try:
@@ -337,7 +341,7 @@ class Fp8Section(_Section):
   def recipe(self) -> Recipe:
     """The ``fp8jax.Recipe`` these settings describe (uncalibrated: see ``calibrate``)."""
     fields = dataclasses.asdict(self)
-    del fields["calibrate"]
+    del fields["calibrate"], fields["cast_weights_once"]
     return Recipe(**fields)
 
 

@@ -53,6 +53,27 @@ WEIGHT_CAST_NAME = "fp8jax_weight"
 SAVE_FP8_WEIGHTS = jax.checkpoint_policies.save_only_these_names(WEIGHT_CAST_NAME)
 
 
+class WeightCast(NamedTuple):
+  """A GEMM weight already cast to the forward format (see :func:`cast_weight`).
+
+  q: the FP8 payload, shaped like the weight; scale, amax: f32[] (the cast's scale and the
+  weight's amax, which updates the kernel's FP8 state).
+  """
+
+  q: jax.Array
+  scale: jax.Array
+  amax: jax.Array
+
+
+def cast_weight(w, meta: Fp8Meta, recipe: Recipe, amax_axes: Sequence[str] = ()) -> WeightCast:
+  """The forward cast of weight `w` with its FP8 state `meta`: exactly what
+  :func:`fp8_dot_general` computes for its rhs, so a cast done once (e.g. before a loop over
+  microbatches) and passed as ``weight_cast`` gives bit-identical results."""
+  amax = scaling.compute_amax(w, amax_axes)
+  scale = scaling.scale_for_cast(meta, amax, recipe, recipe.fwd_format)
+  return WeightCast(scaling.quantize(w, scale, recipe.fwd_format), scale, amax)
+
+
 class Fp8DotMeta(NamedTuple):
   """FP8 state of one GEMM: one :class:`Fp8Meta` per tensor role."""
 
@@ -118,6 +139,7 @@ class _Config(NamedTuple):
   x_sharding: Any = None  # explicit-mode shardings for the backward GEMMs' outputs
   w_sharding: Any = None
   fused: bool = False  # activations / output gradients cast by the fused cast+transpose kernel
+  weight_cast: bool = False  # the weight arrives cast (a WeightCast)
 
 
 def _vma(x) -> frozenset:
@@ -229,13 +251,14 @@ def _name_cast(name: str, *arrays):
   return tuple(out)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _fp8_matmul(x, w, meta: Fp8DotMeta, cfg: _Config):
-  """x[B?, M, K] @ w[B?, K, N] in FP8; returns (y[B?, M, N], meta)."""
-  return _fp8_matmul_fwd(x, w, meta, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fp8_matmul(x, w, meta: Fp8DotMeta, wc: WeightCast | None, cfg: _Config):
+  """x[B?, M, K] @ w[B?, K, N] in FP8; returns (y[B?, M, N], meta). `wc`: w's cast, already
+  done (w itself then only receives the weight gradient), or None."""
+  return _fp8_matmul_fwd(x, w, meta, wc, cfg)[0]
 
 
-def _fp8_matmul_fwd(x, w, meta: Fp8DotMeta, cfg: _Config):
+def _fp8_matmul_fwd(x, w, meta: Fp8DotMeta, wc: WeightCast | None, cfg: _Config):
   r = cfg.recipe
   if cfg.fused:
     qx, qx_saved, ax, sx = _fused_cast(x, meta.input, r, r.fwd_format, cfg.amax_axes)
@@ -243,10 +266,10 @@ def _fp8_matmul_fwd(x, w, meta: Fp8DotMeta, cfg: _Config):
     ax = scaling.compute_amax(x, cfg.amax_axes)
     sx = scaling.scale_for_cast(meta.input, ax, r, r.fwd_format)
     qx = qx_saved = scaling.quantize(x, sx, r.fwd_format)
-  aw = scaling.compute_amax(w, cfg.amax_axes)
-  sw = scaling.scale_for_cast(meta.kernel, aw, r, r.fwd_format)
-  qw = scaling.quantize(w, sw, r.fwd_format)
-  qw, sw, aw = _name_cast(WEIGHT_CAST_NAME, qw, sw, aw)
+  if wc is None:
+    qw, sw, aw = _name_cast(WEIGHT_CAST_NAME, *cast_weight(w, meta.kernel, r, cfg.amax_axes))
+  else:  # cast once outside (an input: nothing to save or recompute)
+    qw, sw, aw = wc
   k_axis = x.ndim - 1
   y = _mm(qx, qw, (k_axis, k_axis - 1), sx * sw, cfg.out_dtype, cfg.native, True)
   new_in = scaling.update_meta(meta.input, ax, r, r.fwd_format)
@@ -279,7 +302,9 @@ def _fp8_matmul_bwd(cfg: _Config, res, cts):
     dw = _mm(qx, qg, (m_axis, m_axis), sx * sg, cfg.w_dtype, cfg.native, fast, cfg.w_sharding)
   new_meta = Fp8DotMeta(new_in, new_k, scaling.update_meta(og_meta, ag, r, r.bwd_format))
   new_meta = jax.tree.map(lambda a: _to_vma(a, cfg.meta_vma), new_meta)
-  return dx, dw, scaling.combine_max(new_meta, meta_ct)
+  wc_ct = WeightCast(jnp.zeros_like(qw), jnp.zeros_like(sw), jnp.zeros_like(sw)) \
+      if cfg.weight_cast else None  # a cast is not differentiated (w gets the weight gradient)
+  return dx, dw, scaling.combine_max(new_meta, meta_ct), wc_ct
 
 
 _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
@@ -310,9 +335,25 @@ def _agree_on_vma(x, w, amax_axes):
   return _to_vma(x, vma), _to_vma(w, vma)
 
 
+def _check_weight_cast(wc, rhs, recipe: Recipe, vma: frozenset) -> None:
+  """Raises for a weight_cast that is not a WeightCast of rhs in the recipe's format."""
+  if not isinstance(wc, WeightCast):
+    raise TypeError(f"weight_cast must be an fp8jax.dot.WeightCast, got {type(wc).__name__}; "
+                    "use fp8jax.dot.cast_weight(rhs, meta.kernel, recipe)")
+  if wc.q.shape != rhs.shape or np.dtype(wc.q.dtype) != np.dtype(recipe.fwd_format):
+    raise ValueError(f"weight_cast.q is {np.dtype(wc.q.dtype).name}{list(wc.q.shape)}; the rhs "
+                     f"needs {np.dtype(recipe.fwd_format).name}{list(rhs.shape)}")
+  if any(jnp.shape(a) != () for a in wc[1:]):
+    raise ValueError(f"weight_cast scale and amax must be scalars, got shapes "
+                     f"{[jnp.shape(a) for a in wc[1:]]}")
+  if vma:
+    raise ValueError("weight_cast inside shard_map is not supported; let the GEMM cast its "
+                     "weight (amaxes agreed over amax_axes)")
+
+
 def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
                             recipe: Recipe = Recipe(), *, preferred_element_type=None,
-                            amax_axes: Sequence[str] = ()):
+                            amax_axes: Sequence[str] = (), weight_cast: WeightCast | None = None):
   """FP8 ``lax.dot_general``; returns ``(out, meta_passthrough)``.
 
   `meta_passthrough` equals `meta`; hand it to the next call of the same layer so both
@@ -324,6 +365,9 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
     recipe: formats and scaling rules.
     preferred_element_type: output dtype (default: the promoted input dtype).
     amax_axes: mesh axis names (inside ``shard_map``) to agree amaxes over with pmax.
+    weight_cast: rhs already cast, ``cast_weight(rhs, meta.kernel, recipe)`` (e.g. once per
+      optimizer step for all microbatches); rhs then only receives its gradient. Not inside
+      ``shard_map``.
   """
   if not isinstance(meta, Fp8DotMeta):
     raise TypeError(f"meta must be an Fp8DotMeta, got {type(meta).__name__}; use "
@@ -344,6 +388,10 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
     log_once(f"fp8jax: FP8 GEMMs emulated (same quantized math in f32): {reason}")
   x, w = _agree_on_vma(x, w, amax_axes)
   meta_vma = frozenset().union(*(_vma(a) for a in jax.tree.leaves(meta)))
+  if weight_cast is not None:
+    _check_weight_cast(weight_cast, rhs, recipe, _vma(x) | meta_vma)
+    q = jnp.transpose(weight_cast.q, rperm).reshape(w.shape)
+    weight_cast = WeightCast(q, *(jnp.asarray(a, jnp.float32) for a in weight_cast[1:]))
   fused = False
   if recipe.fused_cast_transpose:
     g_shape = (b, m, n) if batched else (m, n)
@@ -356,8 +404,8 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
     fused = why is None
   cfg = _Config(recipe, np.dtype(out_dtype).type, reason is None, tuple(amax_axes),
                 np.dtype(lhs.dtype).type, np.dtype(rhs.dtype).type, meta_vma,
-                *_explicit_shardings(x, w), fused=fused)
-  y, meta_out = _fp8_matmul(x, w, meta, cfg)
+                *_explicit_shardings(x, w), fused=fused, weight_cast=weight_cast is not None)
+  y, meta_out = _fp8_matmul(x, w, meta, weight_cast, cfg)
   return y.reshape(out_shape), meta_out
 
 

@@ -17,6 +17,7 @@ put ``FP8_COLLECTION`` in ``variable_axes`` (state stacked on the layer axis).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 import flax.linen as nn
@@ -31,6 +32,8 @@ FP8_COLLECTION = "fp8_meta"
 # Diagnostics (see fp8jax.train.health): only computed when the collection is mutable.
 HEALTH_COLLECTION = "fp8_health"
 PERTURBATIONS = "perturbations"
+# Weights cast to FP8 once outside the model (see cast_weights): read by Fp8DotGeneral.
+WEIGHT_CAST_COLLECTION = "fp8_weight_cast"
 _ROLES = Fp8DotMeta._fields
 # Per apply (keyed weakly by the root scope): the meta passthrough of each FP8 GEMM's last
 # call, so that a second call of the same layer chains onto the first (updates combine by
@@ -91,9 +94,13 @@ class Fp8DotGeneral(nn.Module):
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                out_sharding=None):
     del precision  # FP8 GEMMs accumulate in f32
+    cast = None
+    if self.has_variable(WEIGHT_CAST_COLLECTION, "q"):  # cast once outside: cast_weights
+      cast = dot.WeightCast(*(self.get_variable(WEIGHT_CAST_COLLECTION, f)
+                              for f in dot.WeightCast._fields))
     out = _chained(self, lambda lhs, rhs, dn, meta: dot.fp8_dot_general_chained(
         lhs, rhs, dn, meta, self.recipe, preferred_element_type=preferred_element_type,
-        amax_axes=tuple(self.amax_axes)), lhs, rhs, dimension_numbers)
+        amax_axes=tuple(self.amax_axes), weight_cast=cast), lhs, rhs, dimension_numbers)
     if out_sharding is not None:
       out = jax.lax.with_sharding_constraint(out, out_sharding)
     return out
@@ -156,3 +163,47 @@ def apply_fp8_updates(variables, grads):
   new = jax.tree.map(scaling.keep_untouched, grads[FP8_COLLECTION], variables[FP8_COLLECTION],
                      is_leaf=lambda x: isinstance(x, scaling.Fp8Meta))
   return {**variables, FP8_COLLECTION: new}
+
+
+def _is_gemm_state(node) -> bool:
+  """A module's FP8 state: {role: Fp8Meta} for the three roles of one FP8 GEMM."""
+  return isinstance(node, Mapping) and set(node) == set(_ROLES) and all(
+      isinstance(node[r], scaling.Fp8Meta) for r in _ROLES)
+
+
+def cast_weights(variables, recipe: Recipe, dtype=None) -> dict:
+  """``{WEIGHT_CAST_COLLECTION: ...}``: the FP8 cast of every :class:`Fp8DotGeneral`'s weight,
+  done once, to apply the model with (``{**variables, **cast_weights(...)}``).
+
+  Each FP8 GEMM of an ``nn.Dense`` / ``nn.DenseGeneral`` multiplies its module's "kernel"
+  param, promoted to the module's compute `dtype` (None: as stored); the cast is
+  :func:`fp8jax.dot.cast_weight` of that with the GEMM's kernel state and `recipe`, so the
+  results are bit-identical to the GEMM casting it itself. Use it to cast once per optimizer
+  step for all microbatches (``make_train_step(cast_weights=...)``). States stacked by
+  ``nn.scan`` (leading layer axes) are cast per layer; put ``WEIGHT_CAST_COLLECTION`` in the
+  scan's ``variable_axes`` like ``FP8_COLLECTION``. GEMMs without a "kernel" param next to
+  them are skipped (they cast as usual); the collection is not differentiated.
+  """
+  params, out = variables["params"], {}
+
+  def visit(node, path):
+    if _is_gemm_state(node):
+      parent = params
+      for key in path[:-1]:
+        parent = parent.get(key, {}) if isinstance(parent, Mapping) else {}
+      kernel = parent.get("kernel") if isinstance(parent, Mapping) else None
+      if kernel is None:
+        return
+      cast = lambda w, m: dot.cast_weight(w if dtype is None else w.astype(dtype), m, recipe)
+      for _ in range(jnp.ndim(node["kernel"].scale)):  # layer axes stacked by nn.scan
+        cast = jax.vmap(cast)
+      target = out
+      for key in path:
+        target = target.setdefault(key, {})
+      target.update(cast(kernel, node["kernel"])._asdict())
+    elif isinstance(node, Mapping):
+      for key, child in node.items():
+        visit(child, path + (key,))
+
+  visit(variables.get(FP8_COLLECTION, {}), ())
+  return {WEIGHT_CAST_COLLECTION: out} if out else {}

@@ -63,12 +63,15 @@ def test_defaults():
   # leaves it off); calibration is the Trainer's (fp8.calibrate), never the config's recipe.
   assert cfg.fp8.recipe() == Recipe(fused_cast_transpose=True)
   assert (cfg.fp8.calibrate, t.fused_optimizer) == ("auto", "auto")
+  assert cfg.fp8.cast_weights_once is True
 
 
 def test_fp8_section_mirrors_every_recipe_field():
-  """Every Recipe field but `calibrated` (set by the Trainer), plus `calibrate`."""
+  """Every Recipe field but `calibrated` (set by the Trainer), plus the Trainer's own
+  `calibrate` and `cast_weights_once`."""
   recipe_fields = [f.name for f in dataclasses.fields(Recipe) if f.name != "calibrated"]
-  assert [f.name for f in dataclasses.fields(Fp8Section)] == recipe_fields + ["calibrate"]
+  assert [f.name for f in dataclasses.fields(Fp8Section)] == recipe_fields + [
+      "calibrate", "cast_weights_once"]
 
 
 def test_model_section_matches_model_config_fields():

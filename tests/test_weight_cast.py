@@ -100,3 +100,94 @@ def test_dot_under_checkpoint_with_saved_weight_cast(key):
 def test_bad_option_raises(value):
   with pytest.raises(ValueError, match=f"remat_save_fp8_weights={value!r} is not allowed"):
     CFG.replace(remat_save_fp8_weights=value)
+
+
+# --- weights cast once per optimizer step for all microbatches (fp8.cast_weights_once) ---
+
+def _fp8_casts(jaxpr, in_scan=False):
+  """(input shape, inside a scan) of every cast to the forward FP8 format in `jaxpr`."""
+  for eqn in jaxpr.eqns:
+    if (eqn.primitive.name == "convert_element_type"
+        and eqn.params["new_dtype"] == RECIPE.fwd_format):
+      yield tuple(eqn.invars[0].aval.shape), in_scan
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          yield from _fp8_casts(sub, in_scan or eqn.primitive.name == "scan")
+
+
+def _step_casts(key, once: bool, microbatches: int = 2):
+  """Weight casts of a traced O1 train step: (inside the microbatch scan, outside it)."""
+  import optax
+  from fp8jax.train.build import weight_cast_fn
+  from fp8jax.train.state import init_state
+  from fp8jax.train.step import make_train_step
+  from fp8jax.config import config_from_dict
+  model = GPT(CFG, RECIPE)
+  tx = optax.sgd(0.1)
+  state = init_state(model, tx, fp8jax.O1, B, T, 0)
+  cfg = config_from_dict({"fp8": {"cast_weights_once": once}})
+  cast = weight_cast_fn(cfg, model, microbatches)
+  step = make_train_step(model.apply, tx, microbatches, cast_weights=cast)
+  batch = jax.random.randint(key, (B * microbatches, T + 1), 0, 256)
+  casts = list(_fp8_casts(jax.make_jaxpr(step)(state, batch).jaxpr))
+  params = jax.tree.leaves(state.params)
+  inside = sum(shape in WEIGHT_SHAPES for shape, scanned in casts if scanned)
+  outside = sum(any(shape == p.shape for p in params) for shape, scanned in casts if not scanned)
+  return inside, outside
+
+
+def test_weights_cast_once_per_step_for_all_microbatches(key):
+  # Per microbatch: 4 GEMMs per layer (once per layer under remat with saved casts) + the head,
+  # inside the microbatch loop. Once: every kernel (layers stacked: one cast each) before it.
+  assert _step_casts(key, once=False) == (4 + 1, 0)
+  assert _step_casts(key, once=True) == (0, 4 + 1)
+  assert _step_casts(key, once=True, microbatches=1) == (4 + 1, 0)  # nothing to save
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_cast_once_trainer_is_bit_identical(tmp_path, level):
+  """Three Trainer steps of 2 microbatches (the first with just-in-time scales, then
+  calibrated), fp8.cast_weights_once on and off: every state array bit-identical."""
+  from fp8jax.config import config_from_dict
+  from fp8jax.train.loop import Trainer
+  states = {}
+  for once in (False, True):
+    cfg = config_from_dict({
+        "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64, "max_seq_len": 16,
+                  "remat": True},
+        "data": {"seq_len": 16, "max_bytes": 200_000},
+        "train": {"steps": 3, "batch_size": 8, "microbatches": 2, "warmup_steps": 1,
+                  "eval_every": 0, "opt_level": level},
+        "fp8": {"cast_weights_once": once, "calibrate": "always"},
+        "runtime": {"run_dir": str(tmp_path / str(once))}})
+    trainer = Trainer(cfg, progress=False)
+    for s in range(3):
+      trainer.state, m = trainer.step_fn(2)(trainer.state, trainer.next_batch(s))
+    assert np.isfinite(float(m["loss"])) and trainer._uncalibrated is False
+    states[once] = trainer.state
+  p0 = jax.tree.leaves(states[False].model_params())[0]
+  assert float(jnp.std(p0)) > 0
+  for a, b in zip(jax.tree.leaves(states[False]), jax.tree.leaves(states[True]), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bad_weight_casts_are_refused(key):
+  x, w = jax.random.normal(key, (16, 32)), jax.random.normal(key, (32, 48))
+  dn = (((1,), (0,)), ((), ()))
+  meta = fp8jax.init_dot_meta(RECIPE)
+  good = fp8jax.dot.cast_weight(w, meta.kernel, RECIPE)
+  got = fp8jax.fp8_dot_general(x, w, dn, meta, RECIPE)
+  np.testing.assert_array_equal(got, fp8jax.dot.fp8_dot_general_chained(
+      x, w, dn, meta, RECIPE, weight_cast=good)[0])
+  with pytest.raises(ValueError, match=r"weight_cast.q is float8_e4m3fn\[48, 32\]; the rhs "
+                                       r"needs float8_e4m3fn\[32, 48\]"):
+    fp8jax.dot.fp8_dot_general_chained(x, w, dn, meta, RECIPE,
+                                       weight_cast=good._replace(q=good.q.T))
+  with pytest.raises(TypeError, match="weight_cast must be an fp8jax.dot.WeightCast"):
+    fp8jax.dot.fp8_dot_general_chained(x, w, dn, meta, RECIPE, weight_cast=tuple(good))
+  from fp8jax.train.step import make_train_step
+  with pytest.raises(ValueError, match="cast_weights with gather_params is not supported"):
+    make_train_step(lambda v, t: t, None, 2, gather_params=lambda p: p,
+                    cast_weights=lambda v: {})

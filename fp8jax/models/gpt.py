@@ -25,7 +25,8 @@ from jax import lax
 
 from fp8jax import FP8_COLLECTION, Recipe
 from fp8jax.dot import SAVE_FP8_WEIGHTS
-from fp8jax.linen import HEALTH_COLLECTION, PERTURBATIONS, Fp8DotGeneral
+from fp8jax.linen import (HEALTH_COLLECTION, PERTURBATIONS, WEIGHT_CAST_COLLECTION,
+                          Fp8DotGeneral)
 
 MLPS = ("gelu", "swiglu")
 NORMS = ("rmsnorm", "layernorm")
@@ -273,7 +274,8 @@ class GPT(nn.Module):
     if self.config.remat:
       policy = SAVE_FP8_WEIGHTS if self.config.remat_save_fp8_weights else None
       block = nn.remat(Block, prevent_cse=False, policy=policy)
-    stacked = {"params": 0, FP8_COLLECTION: 0, HEALTH_COLLECTION: 0, PERTURBATIONS: 0}
+    stacked = {"params": 0, FP8_COLLECTION: 0, HEALTH_COLLECTION: 0, PERTURBATIONS: 0,
+               WEIGHT_CAST_COLLECTION: 0}
     scanned = nn.scan(block, variable_axes=stacked,
                       split_rngs={"params": True, "dropout": True},
                       in_axes=nn.broadcast, length=self.config.n_layers)

@@ -3,7 +3,12 @@ users: the Trainer, the device profiler, benchmarks)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Callable
 
+import jax.numpy as jnp
+
+from fp8jax import linen
 from fp8jax.dot import native_fp8_reason
 from fp8jax.models.gpt import GPT, ModelConfig
 from fp8jax.train.optimizer import lr_schedule, make_optimizer
@@ -32,3 +37,14 @@ def calibrated(model: GPT) -> GPT:
   """`model` whose casts trust their stored scales (every FP8 state must have observed a
   tensor first, e.g. after one step of `model`)."""
   return model.clone(recipe=model.recipe.replace(calibrated=True))
+
+
+def weight_cast_fn(config, model: GPT, microbatches: int) -> Callable | None:
+  """fp8.cast_weights_once resolved for a step of `microbatches`: ``variables -> {collection:
+  FP8 weight casts}`` (``fp8jax.linen.cast_weights`` with `model`'s recipe and compute dtype)
+  to cast every weight once for all microbatches; None at O0, with one microbatch (the model
+  casts once anyway) or with the option off."""
+  if not config.fp8.cast_weights_once or model.recipe is None or microbatches < 2:
+    return None
+  return functools.partial(linen.cast_weights, recipe=model.recipe,
+                           dtype=jnp.dtype(model.config.dtype))

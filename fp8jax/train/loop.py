@@ -27,7 +27,7 @@ from fp8jax.parallel import device_map as device_map_lib
 from fp8jax.train import balanced, guards
 from fp8jax.train import metrics as metrics_lib
 from fp8jax.train.health import fp8_cast_health
-from fp8jax.train.build import calibrated, calibration_on, model_and_optimizer
+from fp8jax.train.build import calibrated, calibration_on, model_and_optimizer, weight_cast_fn
 from fp8jax.train.optimizer import make_fused_update
 from fp8jax.train.state import TrainState, init_state
 from fp8jax.train.step import cross_entropy, make_eval_step, make_train_step
@@ -209,20 +209,23 @@ class Trainer:
     key = (microbatches, first)
     if key in self._steps:
       return self._steps[key]
-    apply_fn = (self.first_model if first else self.model).apply
+    model = self.first_model if first else self.model
+    apply_fn = model.apply
+    cast = weight_cast_fn(self.config, model, microbatches)  # stages 0-2, no shard_map
     if self.group_seconds is not None:
       step = self._balanced_step_fn(microbatches, apply_fn)
     elif self.grad_comm == "fp8":
       step = self._fp8_step_fn(microbatches, apply_fn)
     elif self.zero is not None:
       zero_step = self.zero.train_step(apply_fn, self.tx, microbatches,
-                                       wrap=guards.skip_nonfinite_steps)
+                                       wrap=guards.skip_nonfinite_steps,
+                                       cast_weights=cast if self.zero.stage < 3 else None)
       step = lambda state, batch: zero_step(state, self.zero.shard_batch(batch))
     else:
       inside = ("params", "opt_state") if self.fused_update is not None else ()
       step = jax.jit(guards.skip_nonfinite_steps(
-          make_train_step(apply_fn, self.tx, microbatches,
-                          fused_update=self.fused_update), skipped_inside=inside),
+          make_train_step(apply_fn, self.tx, microbatches, fused_update=self.fused_update,
+                          cast_weights=cast), skipped_inside=inside),
           donate_argnums=0)
     self._steps[key] = step
     return step

@@ -33,7 +33,8 @@ def _loss(apply_fn: Callable, variables, batch):
 def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microbatches: int = 1,
                     *, gather_params: Callable | None = None,
                     reduce_gradients: Callable | None = None,
-                    fused_update: Callable | None = None):
+                    fused_update: Callable | None = None,
+                    cast_weights: Callable | None = None):
   """A jittable ``step(state, batch) -> (state, metrics)``.
 
   Args:
@@ -48,18 +49,25 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
       opt_state)`` replacing `tx` plus ``apply_master_updates`` for FP16 master weights
       (:func:`fp8jax.train.optimizer.make_fused_update`); `finite` (bool[]): loss and
       gradient norm are finite, else the update changes nothing.
+    cast_weights: optional ``variables -> extra collections`` computed once per step, before
+      the microbatch loop, and applied with every microbatch
+      (``functools.partial(fp8jax.linen.cast_weights, recipe=..., dtype=...)``: FP8 weights
+      cast once per optimizer step, not once per microbatch); not with `gather_params`.
   Metrics: loss (mean over the batch), grad_norm (before clipping).
   """
   if microbatches < 1:
     raise ValueError(f"microbatches={microbatches!r} is not allowed; use an integer >= 1")
+  if cast_weights is not None and gather_params is not None:
+    raise ValueError("cast_weights with gather_params is not supported: the weights are "
+                     "gathered per microbatch (ZeRO-3); cast them there")
 
-  def loss_of(variables, batch):
+  def loss_of(variables, batch, extra):
     if gather_params is not None:
       variables = {**variables, "params": gather_params(variables["params"])}
-    return _loss(apply_fn, variables, batch)
+    return _loss(apply_fn, {**variables, **extra}, batch)
 
-  def grads(state: TrainState, batch):
-    loss, g = jax.value_and_grad(loss_of)(state.variables(), batch)
+  def grads(state: TrainState, batch, extra):
+    loss, g = jax.value_and_grad(loss_of)(state.variables(), batch, extra)
     if reduce_gradients is not None:
       g = {**g, "params": reduce_gradients(g["params"])}
     return loss, g
@@ -70,10 +78,13 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
                        f"{microbatches} microbatches")
     parts = batch.reshape(microbatches, batch.shape[0] // microbatches, *batch.shape[1:])
     zeros = jax.tree.map(jnp.zeros_like, state.variables())
+    extra = {}
+    if cast_weights is not None:  # once, for every microbatch
+      extra = cast_weights(jax.lax.stop_gradient(state.variables()))
 
     def body(carry, part):
       loss_sum, acc = carry
-      loss, g = grads(state, part)
+      loss, g = grads(state, part, extra)
       return (loss_sum + loss, accumulate_gradients(acc, g)), None
 
     (loss_sum, acc), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), parts)
