@@ -212,6 +212,7 @@ class ModelSection(_Section):
   mlp: str = _field("gelu", _one_of("gelu", "swiglu"))
   norm: str = _field("rmsnorm", _one_of("rmsnorm", "layernorm"))
   remat: bool = False
+  remat_policy: str = _field("full", _one_of("full", "save_gemm_outputs"))
   remat_save_fp8_weights: bool = True
   dtype: str = _field("bfloat16", _one_of("bfloat16", "float32"))
   param_dtype: str = _field("float32", _one_of("float32", "bfloat16"))

@@ -7,7 +7,9 @@ multi-head attention (scores and softmax in f32) and a GELU or SwiGLU MLP. Every
 embeddings, norms, softmax and the activation x activation attention matmuls stay in the
 compute dtype (BF16) / f32, as MS-AMP does. Layers run under ``nn.scan`` (parameters and FP8
 state stacked on a leading layer axis) and optionally ``nn.remat`` (which by default keeps
-the FP8 weight casts of the forward for the backward, see ``remat_save_fp8_weights``).
+the FP8 weight casts of the forward for the backward, see ``remat_save_fp8_weights``; with
+``remat_policy="save_gemm_outputs"`` it also keeps every projection's output, so only the
+elementwise work, the FP8 casts and the attention forward are recomputed).
 
 Shapes: B batch, T sequence, D d_model, H heads, K head dim (D / H), F d_ff, V vocab.
 """
@@ -22,9 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from fp8jax import FP8_COLLECTION, Recipe
-from fp8jax.dot import SAVE_FP8_WEIGHTS
+from fp8jax.dot import WEIGHT_CAST_NAME
 from fp8jax.linen import (HEALTH_COLLECTION, PERTURBATIONS, WEIGHT_CAST_COLLECTION,
                           Fp8DotGeneral)
 
@@ -33,6 +36,9 @@ NORMS = ("rmsnorm", "layernorm")
 DTYPES = ("bfloat16", "float32", "float16")
 PARAM_DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("xla", "cudnn")
+REMAT_POLICIES = ("full", "save_gemm_outputs")
+# checkpoint_name of every projection's output (nn.remat with remat_policy="save_gemm_outputs").
+GEMM_OUTPUT_NAME = "fp8jax_gemm_output"
 _POSITIVE = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len")
 
 
@@ -48,6 +54,12 @@ class ModelConfig:
     mlp: "gelu" (F-wide hidden) or "swiglu" (F-wide gate and up projections).
     norm: "rmsnorm" or "layernorm" (both computed in f32).
     remat: recompute each layer's activations in the backward pass (``nn.remat``).
+    remat_policy: what remat keeps from the forward: "full" keeps only the layer input (and the
+      FP8 weight casts, see below): every GEMM runs again in the recomputation;
+      "save_gemm_outputs" also keeps the projection outputs the backward needs (qkv, attention
+      out, MLP in; bf16: 2 * (4D + F) bytes per token and layer, 2 * (4D + 2F) with SwiGLU),
+      so no GEMM is recomputed, only norms, RoPE, the activation, the FP8 casts and the
+      attention forward.
     remat_save_fp8_weights: with remat, keep each FP8 GEMM's weight cast from the forward
       (1 byte per weight, all layers) instead of casting the weights again in the
       recomputation (``fp8jax.dot.SAVE_FP8_WEIGHTS``); bit-identical results. No effect
@@ -69,6 +81,7 @@ class ModelConfig:
   mlp: str = "gelu"
   norm: str = "rmsnorm"
   remat: bool = False
+  remat_policy: str = "full"
   remat_save_fp8_weights: bool = True
   dtype: str = "bfloat16"
   param_dtype: str = "float32"
@@ -87,7 +100,8 @@ class ModelConfig:
       raise ValueError(f"ModelConfig head dim d_model/n_heads={self.d_model // self.n_heads} is "
                        "odd; RoPE needs an even head dim")
     for name, allowed in (("mlp", MLPS), ("norm", NORMS), ("dtype", DTYPES),
-                          ("param_dtype", PARAM_DTYPES), ("attention_impl", ATTENTION_IMPLS)):
+                          ("param_dtype", PARAM_DTYPES), ("attention_impl", ATTENTION_IMPLS),
+                          ("remat_policy", REMAT_POLICIES)):
       _check_choice(name, getattr(self, name), allowed)
     for name in ("remat", "remat_save_fp8_weights", "tie_embeddings"):
       if not isinstance(getattr(self, name), (bool, np.bool_)):
@@ -120,6 +134,11 @@ def _check_float(name: str, value: Any, ok, allowed: str) -> None:
   if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
       or not np.isfinite(value) or not ok(value):
     raise ValueError(f"ModelConfig.{name}={value!r} is not allowed; use {allowed}")
+
+
+def _saveable(y):
+  """A projection's output, named for remat (see ModelConfig.remat_policy)."""
+  return checkpoint_name(y, GEMM_OUTPUT_NAME)
 
 
 def _dense_kwargs(config: ModelConfig, recipe: Recipe | None, std: float) -> dict:
@@ -192,16 +211,16 @@ class Attention(nn.Module):
     std = cfg.d_model ** -0.5
     # Heads first, so a tensor-parallel split of the heads is a contiguous block of the GEMM's
     # output columns (fp8jax.parallel.tensor).
-    qkv = nn.DenseGeneral((cfg.n_heads, 3, cfg.head_dim), name="qkv",
-                          **_dense_kwargs(cfg, self.recipe, std))(x)  # [B, T, H, 3, K]
+    qkv = _saveable(nn.DenseGeneral((cfg.n_heads, 3, cfg.head_dim), name="qkv",
+                                    **_dense_kwargs(cfg, self.recipe, std))(x))  # [B, T, H, 3, K]
     q, k, v = (qkv[:, :, :, i] for i in range(3))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     # Scores and softmax in f32 (activation x activation: no FP8), output in the compute dtype.
     o = jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                      implementation=cfg.attention_impl)
     out_std = std / np.sqrt(2 * cfg.n_layers)
-    return nn.DenseGeneral(cfg.d_model, axis=(-2, -1), name="out",
-                           **_dense_kwargs(cfg, self.recipe, out_std))(o)
+    return _saveable(nn.DenseGeneral(cfg.d_model, axis=(-2, -1), name="out",
+                                     **_dense_kwargs(cfg, self.recipe, out_std))(o))
 
 
 class MLP(nn.Module):
@@ -215,13 +234,15 @@ class MLP(nn.Module):
     cfg = self.config
     std = cfg.d_model ** -0.5
     if cfg.mlp == "gelu":
-      h = nn.gelu(nn.Dense(cfg.d_ff, name="fc_in", **_dense_kwargs(cfg, self.recipe, std))(x))
+      h = nn.gelu(_saveable(nn.Dense(cfg.d_ff, name="fc_in",
+                                     **_dense_kwargs(cfg, self.recipe, std))(x)))
     else:  # gate and up projections fused into one GEMM: [B, T, F, 2] (F first: see qkv)
-      gu = nn.DenseGeneral((cfg.d_ff, 2), name="fc_gate_in",
-                           **_dense_kwargs(cfg, self.recipe, std))(x)
+      gu = _saveable(nn.DenseGeneral((cfg.d_ff, 2), name="fc_gate_in",
+                                     **_dense_kwargs(cfg, self.recipe, std))(x))
       h = nn.silu(gu[..., 0]) * gu[..., 1]
     out_std = cfg.d_ff ** -0.5 / np.sqrt(2 * cfg.n_layers)
-    return nn.Dense(cfg.d_model, name="fc_out", **_dense_kwargs(cfg, self.recipe, out_std))(h)
+    return _saveable(nn.Dense(cfg.d_model, name="fc_out",
+                              **_dense_kwargs(cfg, self.recipe, out_std))(h))
 
 
 class Block(nn.Module):
@@ -272,8 +293,7 @@ class GPT(nn.Module):
     """The n_layers blocks under nn.scan (and nn.remat when configured)."""
     block = Block
     if self.config.remat:
-      policy = SAVE_FP8_WEIGHTS if self.config.remat_save_fp8_weights else None
-      block = nn.remat(Block, prevent_cse=False, policy=policy)
+      block = nn.remat(Block, prevent_cse=False, policy=remat_policy(self.config))
     stacked = {"params": 0, FP8_COLLECTION: 0, HEALTH_COLLECTION: 0, PERTURBATIONS: 0,
                WEIGHT_CAST_COLLECTION: 0}
     scanned = nn.scan(block, variable_axes=stacked,
@@ -287,6 +307,13 @@ class GPT(nn.Module):
     kw = _dense_kwargs(cfg, None, cfg.d_model ** -0.5)
     kw["dot_general_cls"] = _f32_out_gemm(self.recipe)
     return nn.Dense(cfg.vocab_size, name="head", **kw)(x).astype(jnp.float32)
+
+
+def remat_policy(config: ModelConfig):
+  """The ``jax.checkpoint`` policy of `config`'s remat: the names it saves (None: nothing)."""
+  names = ((WEIGHT_CAST_NAME,) if config.remat_save_fp8_weights else ()) + (
+      (GEMM_OUTPUT_NAME,) if config.remat_policy == "save_gemm_outputs" else ())
+  return jax.checkpoint_policies.save_only_these_names(*names) if names else None
 
 
 def _check_tokens(tokens, cfg: ModelConfig) -> None:
