@@ -146,27 +146,36 @@ def test_weights_cast_once_per_step_for_all_microbatches(key):
   assert _step_casts(key, once=True, microbatches=1) == (4 + 1, 0)  # nothing to save
 
 
-@pytest.mark.parametrize("level", ["O1", "O2"])
-def test_cast_once_trainer_is_bit_identical(tmp_path, level):
+@pytest.mark.parametrize("level, zero_stage", [("O1", None), ("O2", None), ("O1", 1)])
+def test_cast_once_trainer_is_bit_identical(tmp_path, monkeypatch, level, zero_stage):
   """Three Trainer steps of 2 microbatches (the first with just-in-time scales, then
-  calibrated), fp8.cast_weights_once on and off: every state array bit-identical."""
+  calibrated), fp8.cast_weights_once on and off: every state array bit-identical (one device,
+  and ZeRO-1 over the 8 CPU devices)."""
   from fp8jax.config import config_from_dict
+  from fp8jax import linen
   from fp8jax.train.loop import Trainer
+  traced = []  # the steps that cast their weights before the microbatch loop (trace time)
+  cast_weights = linen.cast_weights
+  monkeypatch.setattr(linen, "cast_weights", lambda *a, **k: traced.append(1) or
+                      cast_weights(*a, **k))
   states = {}
   for once in (False, True):
     cfg = config_from_dict({
         "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64, "max_seq_len": 16,
                   "remat": True},
         "data": {"seq_len": 16, "max_bytes": 200_000},
-        "train": {"steps": 3, "batch_size": 8, "microbatches": 2, "warmup_steps": 1,
+        "train": {"steps": 3, "batch_size": 16, "microbatches": 2, "warmup_steps": 1,
                   "eval_every": 0, "opt_level": level},
+        "parallel": {} if zero_stage is None else {"zero_stage": zero_stage},
         "fp8": {"cast_weights_once": once, "calibrate": "always"},
         "runtime": {"run_dir": str(tmp_path / str(once))}})
     trainer = Trainer(cfg, progress=False)
     for s in range(3):
       trainer.state, m = trainer.step_fn(2)(trainer.state, trainer.next_batch(s))
     assert np.isfinite(float(m["loss"])) and trainer._uncalibrated is False
-    states[once] = trainer.state
+    assert (trainer.zero is None) is (zero_stage is None)
+    assert len(traced) == 2 * once  # the first (uncalibrated) and the calibrated step
+    states[once] = jax.device_get(trainer.state)
   p0 = jax.tree.leaves(states[False].model_params())[0]
   assert float(jnp.std(p0)) > 0
   for a, b in zip(jax.tree.leaves(states[False]), jax.tree.leaves(states[True]), strict=True):
