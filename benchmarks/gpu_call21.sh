@@ -2,8 +2,7 @@
 # Device call (1 GPU): the two ways this session added to spend O2's saved memory, measured
 # against O0 with the same options (the best O0 setting that fits):
 #  - model.remat_policy=save_gemm_outputs (no GEMM recomputed in the backward),
-#  - FP8 weights cast once per optimizer step (fp8.cast_weights_once) where microbatches repeat
-#    the casts: the full 7B-class config (32 layers, 8 one-sequence microbatches).
+#    at the 7B-class layer shape and at 1.3B (FP8 weights cast once per step: gpu_call22.sh).
 set -u
 . benchmarks/gpu_env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
@@ -16,7 +15,3 @@ timeout 200 python3 benchmarks/train_throughput.py --config configs/gpt_7b.yaml 
 timeout 150 python3 benchmarks/train_throughput.py --config configs/gpt_1_3b.yaml --steps 4 $S \
   --run "O0=O0" --run "O0 saved=O0,$SAVE" --run "O2 saved=O2,$SAVE" 2>&1 \
   | grep -v -i "warn" | tee $OUT/save13.txt | tail -6
-timeout 240 python3 benchmarks/train_throughput.py --config configs/gpt_7b.yaml --steps 3 $S \
-  --run "O0 mb8=O0" --run "O2 mb8 cast per microbatch=O2,fp8.cast_weights_once=false" \
-  --run "O2 mb8 cast once=O2" --run "O2 mb2 saved=O2,train.microbatches=2,$SAVE" 2>&1 \
-  | grep -v -i "warn" | tee $OUT/once7.txt | tail -7
