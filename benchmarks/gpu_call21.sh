@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device call (1 GPU): the two ways this session added to spend O2's saved memory, measured
+# Device call (1 GPU): a new way to spend O2's saved memory, measured
 # against O0 with the same options (the best O0 setting that fits):
 #  - model.remat_policy=save_gemm_outputs (no GEMM recomputed in the backward),
 #    at the 7B-class layer shape and at 1.3B (FP8 weights cast once per step: gpu_call22.sh).

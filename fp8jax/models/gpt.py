@@ -8,8 +8,8 @@ embeddings, norms, softmax and the activation x activation attention matmuls sta
 compute dtype (BF16) / f32, as MS-AMP does. Layers run under ``nn.scan`` (parameters and FP8
 state stacked on a leading layer axis) and optionally ``nn.remat`` (which by default keeps
 the FP8 weight casts of the forward for the backward, see ``remat_save_fp8_weights``; with
-``remat_policy="save_gemm_outputs"`` it also keeps every projection's output, so only the
-elementwise work, the FP8 casts and the attention forward are recomputed).
+``remat_policy="save_gemm_outputs"`` it also keeps the projection outputs the backward needs,
+so only the elementwise work, the FP8 casts and the attention forward are recomputed).
 
 Shapes: B batch, T sequence, D d_model, H heads, K head dim (D / H), F d_ff, V vocab.
 """
