@@ -214,6 +214,7 @@ class ModelSection(_Section):
   remat: bool = False
   remat_policy: str = _field("full", _one_of("full", "save_gemm_outputs"))
   remat_save_fp8_weights: bool = True
+  fuse_gelu_into_fp8_cast: bool = False
   dtype: str = _field("bfloat16", _one_of("bfloat16", "float32"))
   param_dtype: str = _field("float32", _one_of("float32", "bfloat16"))
   tie_embeddings: bool = False
@@ -229,6 +230,9 @@ class ModelSection(_Section):
     if head_dim % 2:
       _fail(f"model.d_model={self.d_model} / model.n_heads={self.n_heads} gives head dim "
             f"{head_dim}; RoPE needs an even head dim")
+    if self.fuse_gelu_into_fp8_cast and self.mlp != "gelu":
+      _fail(f"model.fuse_gelu_into_fp8_cast=True needs model.mlp='gelu', got "
+            f"model.mlp={self.mlp!r} (SwiGLU is not fused yet); set it false")
 
 
 @dataclasses.dataclass(frozen=True)

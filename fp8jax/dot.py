@@ -140,6 +140,7 @@ class _Config(NamedTuple):
   w_sharding: Any = None
   fused: bool = False  # activations / output gradients cast by the fused cast+transpose kernel
   weight_cast: bool = False  # the weight arrives cast (a WeightCast)
+  activation: str | None = None  # x arrives before this activation (applied in the cast)
 
 
 def _vma(x) -> frozenset:
@@ -201,10 +202,12 @@ def _mm(a, b, contract: tuple[int, int], scale, out_dtype, native: bool, fast_ac
   return (y * scale.astype(gemm_dtype)).astype(out_dtype)
 
 
-def _scale_before_cast(x, meta: Fp8Meta, recipe: Recipe, fmt, amax_axes):
-  """scaling.scale_for_cast without the amax pass where delayed scaling does not need it:
-  the tensor's amax is computed first only for current scaling or a never-observed meta."""
-  cur = lambda: scaling.scale_for_cast(meta, scaling.compute_amax(x, amax_axes), recipe, fmt)
+def _scale_before_cast(x, meta: Fp8Meta, recipe: Recipe, fmt, amax_axes, activation=None):
+  """scaling.scale_for_cast of ``activate(x, activation)`` without the amax pass where delayed
+  scaling does not need it: the tensor's amax is computed first only for current scaling or
+  a never-observed meta."""
+  cur = lambda: scaling.scale_for_cast(
+      meta, scaling.compute_amax(ct.activate(x, activation), amax_axes), recipe, fmt)
   if recipe.scaling == "current":
     return cur()
   if recipe.calibrated:
@@ -212,11 +215,12 @@ def _scale_before_cast(x, meta: Fp8Meta, recipe: Recipe, fmt, amax_axes):
   return lax.cond(jnp.max(meta.amax_history) <= 0, cur, lambda: meta.scale)
 
 
-def _fused_cast(x, meta: Fp8Meta, recipe: Recipe, fmt, amax_axes):
-  """(q, q_t, amax, scale) of x[B?, M, K] in one pass of the fused kernel; same values as
-  scale_for_cast + quantize + compute_amax."""
-  scale = _scale_before_cast(x, meta, recipe, fmt, amax_axes)
-  q, q_t, amax = ct.cast_transpose_amax(x, scale, fmt, interpret=jax.default_backend() != "gpu")
+def _fused_cast(x, meta: Fp8Meta, recipe: Recipe, fmt, amax_axes, activation=None):
+  """(q, q_t, amax, scale) of x[B?, M, K] (or of ``activate(x, activation)``) in one pass of the
+  fused kernel; same values as scale_for_cast + quantize + compute_amax."""
+  scale = _scale_before_cast(x, meta, recipe, fmt, amax_axes, activation)
+  q, q_t, amax = ct.cast_transpose_amax(x, scale, fmt, interpret=jax.default_backend() != "gpu",
+                                        activation=activation)
   if amax_axes:
     amax = lax.pmax(amax, tuple(amax_axes))
   return q, q_t, amax, scale
@@ -260,9 +264,12 @@ def _fp8_matmul(x, w, meta: Fp8DotMeta, wc: WeightCast | None, cfg: _Config):
 
 def _fp8_matmul_fwd(x, w, meta: Fp8DotMeta, wc: WeightCast | None, cfg: _Config):
   r = cfg.recipe
+  x_pre = x if cfg.activation else None  # the activation's backward needs its input
   if cfg.fused:
-    qx, qx_saved, ax, sx = _fused_cast(x, meta.input, r, r.fwd_format, cfg.amax_axes)
+    qx, qx_saved, ax, sx = _fused_cast(x, meta.input, r, r.fwd_format, cfg.amax_axes,
+                                       cfg.activation)
   else:
+    x = ct.activate(x, cfg.activation)
     ax = scaling.compute_amax(x, cfg.amax_axes)
     sx = scaling.scale_for_cast(meta.input, ax, r, r.fwd_format)
     qx = qx_saved = scaling.quantize(x, sx, r.fwd_format)
@@ -275,12 +282,12 @@ def _fp8_matmul_fwd(x, w, meta: Fp8DotMeta, wc: WeightCast | None, cfg: _Config)
   new_in = scaling.update_meta(meta.input, ax, r, r.fwd_format)
   new_k = scaling.update_meta(meta.kernel, aw, r, r.fwd_format)
   # Fused: the residual is x's transposed copy q_x_t[.., K, M], ready for the TN wgrad GEMM.
-  res = (qx_saved, qw, sx, sw, meta.output_grad, new_in, new_k)
+  res = (qx_saved, qw, sx, sw, meta.output_grad, new_in, new_k, x_pre)
   return (y, meta), res
 
 
 def _fp8_matmul_bwd(cfg: _Config, res, cts):
-  qx, qw, sx, sw, og_meta, new_in, new_k = res  # fused: qx is q_x_t[.., K, M]
+  qx, qw, sx, sw, og_meta, new_in, new_k, x_pre = res  # fused: qx is q_x_t[.., K, M]
   g, meta_ct = cts
   r = cfg.recipe
   if cfg.fused:
@@ -300,6 +307,8 @@ def _fp8_matmul_bwd(cfg: _Config, res, cts):
              cfg.w_sharding)
   else:
     dw = _mm(qx, qg, (m_axis, m_axis), sx * sg, cfg.w_dtype, cfg.native, fast, cfg.w_sharding)
+  if cfg.activation:  # through the activation, recomputed from its input (elementwise)
+    dx = jax.vjp(lambda x: ct.activate(x, cfg.activation), x_pre)[1](dx)[0]
   new_meta = Fp8DotMeta(new_in, new_k, scaling.update_meta(og_meta, ag, r, r.bwd_format))
   new_meta = jax.tree.map(lambda a: _to_vma(a, cfg.meta_vma), new_meta)
   wc_ct = WeightCast(jnp.zeros_like(qw), jnp.zeros_like(sw), jnp.zeros_like(sw)) \
@@ -353,7 +362,8 @@ def _check_weight_cast(wc, rhs, recipe: Recipe, vma: frozenset) -> None:
 
 def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
                             recipe: Recipe = Recipe(), *, preferred_element_type=None,
-                            amax_axes: Sequence[str] = (), weight_cast: WeightCast | None = None):
+                            amax_axes: Sequence[str] = (), weight_cast: WeightCast | None = None,
+                            lhs_activation: str | None = None):
   """FP8 ``lax.dot_general``; returns ``(out, meta_passthrough)``.
 
   `meta_passthrough` equals `meta`; hand it to the next call of the same layer so both
@@ -368,7 +378,12 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
     weight_cast: rhs already cast, ``cast_weight(rhs, meta.kernel, recipe)`` (e.g. once per
       optimizer step for all microbatches); rhs then only receives its gradient. Not inside
       ``shard_map``.
+    lhs_activation: multiply ``activate(lhs, lhs_activation)`` ("gelu": GELU's tanh form in
+      f32, rounded to lhs's dtype) instead of lhs; with ``Recipe.fused_cast_transpose`` the
+      fused kernel applies it while casting, so the activation is never stored in bf16. The
+      gradient goes to lhs through the activation.
   """
+  ct.check_activation(lhs_activation)
   if not isinstance(meta, Fp8DotMeta):
     raise TypeError(f"meta must be an Fp8DotMeta, got {type(meta).__name__}; use "
                     "fp8jax.init_dot_meta(recipe)")
@@ -404,7 +419,8 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
     fused = why is None
   cfg = _Config(recipe, np.dtype(out_dtype).type, reason is None, tuple(amax_axes),
                 np.dtype(lhs.dtype).type, np.dtype(rhs.dtype).type, meta_vma,
-                *_explicit_shardings(x, w), fused=fused, weight_cast=weight_cast is not None)
+                *_explicit_shardings(x, w), fused=fused, weight_cast=weight_cast is not None,
+                activation=lhs_activation)
   y, meta_out = _fp8_matmul(x, w, meta, weight_cast, cfg)
   return y.reshape(out_shape), meta_out
 

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax import dot, einsum, scaling
+from fp8jax.kernels import cast_transpose
 from fp8jax.dot import Fp8DotMeta
 from fp8jax.recipe import Recipe
 
@@ -41,11 +42,12 @@ _ROLES = Fp8DotMeta._fields
 _CHAINS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
-def _chained(module: nn.Module, fn, lhs, rhs, *rest):
+def _chained(module: nn.Module, fn, lhs, rhs, *rest, activation: str | None = None):
   """Runs ``fn(lhs, rhs, *rest, meta) -> (y, meta_passthrough)`` with `module`'s FP8 state.
 
   A second call of the same module in one apply consumes the first call's passthrough, so
-  their FP8 updates combine by max in the backward pass.
+  their FP8 updates combine by max in the backward pass. `activation`: the GEMM multiplies
+  ``activate(lhs, activation)`` (what the health probe looks at).
   """
   variables = {role: module.variable(FP8_COLLECTION, role, scaling.init_meta,
                                      module.recipe.amax_history_len) for role in _ROLES}
@@ -55,7 +57,7 @@ def _chained(module: nn.Module, fn, lhs, rhs, *rest):
     meta = Fp8DotMeta(*(variables[role].value for role in _ROLES))
   probing = module.is_mutable_collection(HEALTH_COLLECTION) and not module.is_initializing()
   if probing:
-    _sow_cast_health(module, meta, lhs, rhs)
+    _sow_cast_health(module, meta, cast_transpose.activate(lhs, activation), rhs)
   y, chain[module.scope.path] = fn(lhs, rhs, *rest, meta)
   if probing:  # the probe differentiates w.r.t. this zero perturbation to see d loss / d y
     y = module.perturb("output", y, collection=PERTURBATIONS)
@@ -85,10 +87,14 @@ class Fp8DotGeneral(nn.Module):
   Attributes:
     recipe: FP8 formats and scaling rules.
     amax_axes: mesh axis names to agree amaxes over (only inside ``shard_map``).
+    lhs_activation: None, or "gelu": the GEMM multiplies GELU(lhs) (computed inside the FP8
+      cast, see ``fp8_dot_general_chained``); e.g. an MLP's output projection fed its
+      pre-activation.
   """
 
   recipe: Recipe = Recipe()
   amax_axes: Sequence[str] = ()
+  lhs_activation: str | None = None
 
   @nn.compact
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
@@ -100,7 +106,8 @@ class Fp8DotGeneral(nn.Module):
                               for f in dot.WeightCast._fields))
     out = _chained(self, lambda lhs, rhs, dn, meta: dot.fp8_dot_general_chained(
         lhs, rhs, dn, meta, self.recipe, preferred_element_type=preferred_element_type,
-        amax_axes=tuple(self.amax_axes), weight_cast=cast), lhs, rhs, dimension_numbers)
+        amax_axes=tuple(self.amax_axes), weight_cast=cast, lhs_activation=self.lhs_activation),
+        lhs, rhs, dimension_numbers, activation=self.lhs_activation)
     if out_sharding is not None:
       out = jax.lax.with_sharding_constraint(out, out_sharding)
     return out

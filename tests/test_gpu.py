@@ -63,3 +63,21 @@ def test_native_matches_emulated_and_float64():
     assert _rel(n, np.asarray(e, np.float32)) < 1e-2  # bf16 output rounding only
     assert 5e-3 < _rel(n, ref) < 0.1  # FP8 happened, bounded
     assert _rel(n, ref) < 1.1 * _rel(e, ref)  # no extra error from GEMM accumulation
+
+
+def test_fused_gelu_cast_kernel_compiles_and_matches_xla():
+  """The Pallas kernel with activation="gelu" through Triton on the device: q_t is q
+  transposed, and q, amax match the XLA reference (XLA may skip the bf16 rounding of the
+  fused activation, so a few E4M3 roundings may differ by one step)."""
+  from fp8jax.kernels import cast_transpose as ct
+  x = (2 * jax.random.normal(jax.random.key(np.random.randint(1 << 30)), (4096, 2048))
+       ).astype(jnp.bfloat16)
+  scale = jnp.float32(0.02)
+  q, q_t, amax = ct.cast_transpose_amax(x, scale, jnp.float8_e4m3fn, activation="gelu")
+  rq, _, ramax = jax.jit(ct.cast_transpose_reference, static_argnums=(2, 3))(
+      x, scale, jnp.float8_e4m3fn, "gelu")
+  q32, rq32 = np.asarray(q, np.float32), np.asarray(rq, np.float32)
+  np.testing.assert_array_equal(np.asarray(q_t, np.float32), q32.T)
+  assert np.mean(q32 != rq32) < 1e-2
+  assert np.max(np.abs(q32 - rq32)) <= 0.125 * np.max(np.abs(rq32))
+  assert float(amax) == pytest.approx(float(ramax), rel=1e-2)

@@ -9,6 +9,11 @@ cast_transpose, as a Pallas kernel on the Triton backend).
 Each (block_m x block_k) tile is loaded once; its f32 max |x| goes to a small [B, M/bm, K/bk]
 array that jnp.max reduces outside the kernel.
 
+With ``activation="gelu"`` the kernel casts ``activate(x, "gelu")`` instead of x (GELU's tanh
+form computed in f32 and rounded to x's dtype, as the stored activation would be), so the
+activation of an MLP is never written to memory in bf16; q, q_t and amax are those of the
+activated tensor.
+
 The kernel runs on GPUs (Triton lowering; FP8 stores need sm_89+); `interpret=True` runs it
 through Pallas' interpreter anywhere (tests). :func:`cast_transpose` dispatches: kernel when
 :func:`kernel_reason` is None, else :func:`cast_transpose_reference` (plain XLA).
@@ -30,6 +35,22 @@ NUM_WARPS = 4
 _INPUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 _INTERPRET_ANYWHERE = False
+ACTIVATIONS = ("gelu",)
+
+
+def check_activation(activation: str | None) -> None:
+  """Raises ValueError unless `activation` is None or one of ACTIVATIONS."""
+  if activation is not None and activation not in ACTIVATIONS:
+    raise ValueError(f"activation={activation!r} is not allowed; use one of {list(ACTIVATIONS)} "
+                     "or None")
+
+
+def activate(x: jax.Array, activation: str | None) -> jax.Array:
+  """`activation` of x computed in f32 and rounded to x's dtype (None: x itself)."""
+  check_activation(activation)
+  if activation is None:
+    return x
+  return jax.nn.gelu(x.astype(jnp.float32), approximate=True).astype(x.dtype)
 
 
 @contextlib.contextmanager
@@ -49,16 +70,17 @@ def interpreting_anywhere() -> bool:
   return _INTERPRET_ANYWHERE
 
 
-def cast_transpose_reference(x: jax.Array, scale: jax.Array, fmt):
+def cast_transpose_reference(x: jax.Array, scale: jax.Array, fmt, activation: str | None = None):
   """(q, q_t, amax) computed by plain XLA ops: scaling.quantize, a transpose of its result
-  (XLA may fuse it into a second cast) and scaling.compute_amax."""
+  (XLA may fuse it into a second cast) and scaling.compute_amax (of ``activate(x)``)."""
+  x = activate(x, activation)
   q = scaling.quantize(x, scale, fmt)
   return q, jnp.swapaxes(q, -1, -2), scaling.compute_amax(x)
 
 
-def _kernel(inv_ref, x_ref, q_ref, qt_ref, amax_ref, *, bound: float):
+def _kernel(inv_ref, x_ref, q_ref, qt_ref, amax_ref, *, bound: float, activation: str | None):
   inv = inv_ref[...]  # f32[]: 1 / scale, computed by XLA exactly as scaling.quantize does
-  x = x_ref[...].astype(jnp.float32)  # [bm, bk]
+  x = activate(x_ref[...], activation).astype(jnp.float32)  # [bm, bk]
   y = x * inv
   # Triton lowers min/max to minnum/maxnum (NaN dropped): keep NaN explicitly, as XLA does
   # (NaN payload and sign bits may differ from XLA's: compare NaN positions, not bits).
@@ -82,11 +104,13 @@ def _check(x, fmt):
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "interpret", "block_m", "block_k",
-                                             "num_warps", "num_stages"))
+                                             "num_warps", "num_stages", "activation"))
 def cast_transpose_amax(x: jax.Array, scale: jax.Array, fmt, *, interpret: bool = False,
                         block_m: int = BLOCK_M, block_k: int = BLOCK_K,
-                        num_warps: int = NUM_WARPS, num_stages: int | None = None):
-  """The Pallas kernel: x[B?, M, K], scale f32[] -> (q[B?, M, K], q_t[B?, K, M], amax f32[]).
+                        num_warps: int = NUM_WARPS, num_stages: int | None = None,
+                        activation: str | None = None):
+  """The Pallas kernel: x[B?, M, K], scale f32[] -> (q[B?, M, K], q_t[B?, K, M], amax f32[])
+  of x, or of ``activate(x, activation)``.
 
   M must be a multiple of `block_m` and K of `block_k` (see :func:`kernel_reason`).
   """
@@ -94,6 +118,7 @@ def cast_transpose_amax(x: jax.Array, scale: jax.Array, fmt, *, interpret: bool 
   from jax.experimental.pallas import triton as plt
 
   _check(x, fmt)
+  check_activation(activation)
   fmt = np.dtype(fmt).type
   x3 = x if x.ndim == 3 else x[None]
   b, m, k = x3.shape
@@ -103,7 +128,7 @@ def cast_transpose_amax(x: jax.Array, scale: jax.Array, fmt, *, interpret: bool 
   gm, gk = m // block_m, k // block_k
   inv = (1.0 / jnp.asarray(scale, jnp.float32)).reshape(1)  # as scaling.quantize computes it
   q, qt, partial = pl.pallas_call(
-      functools.partial(_kernel, bound=scaling.fp8_max(fmt)),
+      functools.partial(_kernel, bound=scaling.fp8_max(fmt), activation=activation),
       out_shape=(jax.ShapeDtypeStruct((b, m, k), fmt), jax.ShapeDtypeStruct((b, k, m), fmt),
                  jax.ShapeDtypeStruct((b, gm, gk), jnp.float32)),
       grid=(b, gm, gk),
@@ -138,9 +163,10 @@ def kernel_reason(shape, dtype, fmt, *, block_m: int = BLOCK_M,
   return None
 
 
-def cast_transpose(x: jax.Array, scale: jax.Array, fmt):
-  """(q, q_t, amax) of x[B?, M, K]: the kernel where it runs (:func:`kernel_reason`), else the
-  XLA reference; both give identical values."""
+def cast_transpose(x: jax.Array, scale: jax.Array, fmt, activation: str | None = None):
+  """(q, q_t, amax) of x[B?, M, K] (or of ``activate(x, activation)``): the kernel where it
+  runs (:func:`kernel_reason`), else the XLA reference; both give identical values."""
   if kernel_reason(x.shape, x.dtype, fmt) is None:
-    return cast_transpose_amax(x, scale, fmt, interpret=jax.default_backend() != "gpu")
-  return cast_transpose_reference(x, scale, fmt)
+    return cast_transpose_amax(x, scale, fmt, interpret=jax.default_backend() != "gpu",
+                               activation=activation)
+  return cast_transpose_reference(x, scale, fmt, activation)

@@ -64,6 +64,11 @@ class ModelConfig:
       (1 byte per weight, all layers) instead of casting the weights again in the
       recomputation (``fp8jax.dot.SAVE_FP8_WEIGHTS``); bit-identical results. No effect
       without remat or without a recipe.
+    fuse_gelu_into_fp8_cast: with a recipe and the GELU MLP, fc_out's FP8 GEMM takes fc_in's
+      output and applies GELU inside its input cast (``Fp8DotGeneral(lhs_activation="gelu")``;
+      with the fused cast kernel the bf16 activation is never written). GELU is then computed
+      in f32 and rounded once (``nn.gelu`` on bf16 rounds its intermediates): close to, not
+      bit-identical with, the unfused model.
     dtype: compute dtype name of activations and BF16 GEMMs ("bfloat16", "float32", ...).
     param_dtype: storage dtype name of parameters.
     tie_embeddings: the LM head reuses the embedding matrix (then it is a BF16 GEMM).
@@ -83,6 +88,7 @@ class ModelConfig:
   remat: bool = False
   remat_policy: str = "full"
   remat_save_fp8_weights: bool = True
+  fuse_gelu_into_fp8_cast: bool = False
   dtype: str = "bfloat16"
   param_dtype: str = "float32"
   tie_embeddings: bool = False
@@ -103,7 +109,11 @@ class ModelConfig:
                           ("param_dtype", PARAM_DTYPES), ("attention_impl", ATTENTION_IMPLS),
                           ("remat_policy", REMAT_POLICIES)):
       _check_choice(name, getattr(self, name), allowed)
-    for name in ("remat", "remat_save_fp8_weights", "tie_embeddings"):
+    if self.fuse_gelu_into_fp8_cast and self.mlp != "gelu":
+      raise ValueError(f"ModelConfig.fuse_gelu_into_fp8_cast=True needs mlp='gelu', got "
+                       f"mlp={self.mlp!r} (SwiGLU is not fused yet)")
+    for name in ("remat", "remat_save_fp8_weights", "tie_embeddings",
+                 "fuse_gelu_into_fp8_cast"):
       if not isinstance(getattr(self, name), (bool, np.bool_)):
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not allowed; "
                          "use True or False")
@@ -233,16 +243,20 @@ class MLP(nn.Module):
   def __call__(self, x):
     cfg = self.config
     std = cfg.d_model ** -0.5
+    out_std = cfg.d_ff ** -0.5 / np.sqrt(2 * cfg.n_layers)
+    out_kw = _dense_kwargs(cfg, self.recipe, out_std)
     if cfg.mlp == "gelu":
-      h = nn.gelu(_saveable(nn.Dense(cfg.d_ff, name="fc_in",
-                                     **_dense_kwargs(cfg, self.recipe, std))(x)))
+      h = _saveable(nn.Dense(cfg.d_ff, name="fc_in", **_dense_kwargs(cfg, self.recipe, std))(x))
+      if self.recipe is not None and cfg.fuse_gelu_into_fp8_cast:  # GELU inside the FP8 cast
+        out_kw["dot_general_cls"] = functools.partial(Fp8DotGeneral, recipe=self.recipe,
+                                                      lhs_activation="gelu")
+      else:
+        h = nn.gelu(h)
     else:  # gate and up projections fused into one GEMM: [B, T, F, 2] (F first: see qkv)
       gu = _saveable(nn.DenseGeneral((cfg.d_ff, 2), name="fc_gate_in",
                                      **_dense_kwargs(cfg, self.recipe, std))(x))
       h = nn.silu(gu[..., 0]) * gu[..., 1]
-    out_std = cfg.d_ff ** -0.5 / np.sqrt(2 * cfg.n_layers)
-    return _saveable(nn.Dense(cfg.d_model, name="fc_out",
-                              **_dense_kwargs(cfg, self.recipe, out_std))(h))
+    return _saveable(nn.Dense(cfg.d_model, name="fc_out", **out_kw)(h))
 
 
 class Block(nn.Module):

@@ -1,0 +1,104 @@
+"""GELU inside the FP8 cast (lhs_activation="gelu", model.fuse_gelu_into_fp8_cast): the fused
+kernel casts GELU(x) without storing it; the GEMM and its gradients equal the unfused ones,
+track a float64 reference at FP8's (not BF16's) error, and the model trains the same."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8jax
+from conftest import rel_err
+from fp8jax import dot
+from fp8jax.config import load_config
+from fp8jax.kernels import cast_transpose as ct
+from fp8jax.models import GPT, ModelConfig, init_model, next_token_loss
+
+E4M3 = jnp.float8_e4m3fn
+DN = (((1,), (0,)), ((), ()))
+
+
+def _gelu64(x):
+  x = np.asarray(x, np.float64)
+  return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def test_kernel_casts_the_activation(key):
+  x = (2 * jax.random.normal(key, (128, 256))).astype(jnp.bfloat16)
+  scale = jnp.float32(0.02)
+  got = ct.cast_transpose_amax(x, scale, E4M3, interpret=True, activation="gelu")
+  ref = ct.cast_transpose_reference(x, scale, E4M3, "gelu")
+  for a, b in zip(got, ref, strict=True):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  np.testing.assert_array_equal(np.asarray(got[1], np.float32), np.asarray(got[0], np.float32).T)
+  assert float(got[2]) == pytest.approx(float(np.max(np.abs(_gelu64(x)))), rel=1e-2)
+  err = rel_err(np.asarray(got[0], np.float32) * 0.02, _gelu64(x))
+  assert 5e-3 < err < 0.06, err  # E4M3 rounding (BF16 alone: ~2e-3)
+  with pytest.raises(ValueError, match=r"activation='relu' is not allowed; use one of \['gelu'\]"):
+    ct.cast_transpose_amax(x, scale, E4M3, interpret=True, activation="relu")
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_dot_with_gelu_matches_unfused_and_float64(key, fused):
+  kx, kw, kg = jax.random.split(key, 3)
+  x = (2 * jax.random.normal(kx, (128, 256))).astype(jnp.bfloat16)
+  w = (jax.random.normal(kw, (256, 128)) / 16).astype(jnp.bfloat16)
+  g = jax.random.normal(kg, (128, 128)).astype(jnp.bfloat16)
+  recipe = fp8jax.O1.recipe.replace(fused_cast_transpose=fused)
+  meta = fp8jax.init_dot_meta(recipe)
+
+  def run(act):
+    def f(x, w):
+      if act:
+        return dot.fp8_dot_general_chained(x, w, DN, meta, recipe, lhs_activation="gelu")[0]
+      return fp8jax.fp8_dot_general(ct.activate(x, "gelu"), w, DN, meta, recipe)
+    y, vjp = jax.vjp(f, x, w)
+    return (y, *vjp(g))
+
+  with ct.interpret_anywhere(fused):
+    fused_out, plain = jax.jit(lambda: run(True))(), jax.jit(lambda: run(False))()
+  for a, b in zip(fused_out, plain, strict=True):  # same quantized math
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  # Against float64: y = gelu(x) w, dx = (g w^T) gelu'(x), dw = gelu(x)^T g.
+  x64, w64, g64 = (np.asarray(a, np.float64) for a in (x, w, g))
+  a64 = _gelu64(x64)
+  eps = 1e-4
+  dgelu = (_gelu64(x64 + eps) - _gelu64(x64 - eps)) / (2 * eps)
+  refs = (a64 @ w64, (g64 @ w64.T) * dgelu, a64.T @ g64)
+  for name, got, ref in zip(("y", "dx", "dw"), fused_out, refs):
+    err = rel_err(got, ref)
+    assert 5e-3 < err < 0.1, (name, err)  # FP8 error, clearly above BF16's ~3e-3
+
+
+def test_model_with_fused_gelu_is_as_accurate_as_the_unfused_model(key):
+  """Gradients of the O1 model with and without the fused GELU against the same model in f32:
+  the same (FP8) error level. The two FP8 runs differ from each other about as much as each
+  differs from f32 (E5M2 roundings flip), so the reference, not each other, is the yardstick."""
+  cfg = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=16, remat=True)
+  k1, k2 = jax.random.split(key)
+  variables = init_model(cfg, fp8jax.O1.recipe, k1, 2, 8)
+  batch = jax.random.randint(k2, (2, 9), 0, 256)
+
+  def grads(config, recipe, v):
+    model = GPT(config, recipe)
+    loss = lambda v: next_token_loss(model.apply(v, batch[:, :-1]), batch[:, 1:])
+    return jax.jit(jax.value_and_grad(loss))(v)
+
+  params_only = {"params": variables["params"]}
+  ref = grads(cfg.replace(dtype="float32"), None, params_only)
+  bf16 = grads(cfg, None, params_only)
+  unfused, fused = (grads(cfg.replace(fuse_gelu_into_fp8_cast=f), fp8jax.O1.recipe, variables)
+                    for f in (False, True))
+  assert abs(float(fused[0]) - float(ref[0])) < 0.02 * float(ref[0])
+  for sec, name in (("mlp", "fc_in"), ("mlp", "fc_out"), ("attn", "qkv")):
+    g = lambda out: out[1]["params"]["layers"][sec][name]["kernel"]
+    e_bf16, e_unfused, e_fused = (rel_err(g(o), g(ref)) for o in (bf16, unfused, fused))
+    print(f"{name}: bf16 {e_bf16:.4f} unfused {e_unfused:.4f} fused {e_fused:.4f}")
+    assert e_fused < 1.25 * e_unfused + 0.02, name
+    assert 3 * e_bf16 < e_fused < 0.3, name  # FP8 ran, and stays bounded
+
+
+def test_fused_gelu_needs_the_gelu_mlp():
+  with pytest.raises(ValueError, match="fuse_gelu_into_fp8_cast=True needs mlp='gelu'"):
+    ModelConfig(mlp="swiglu", fuse_gelu_into_fp8_cast=True)
+  with pytest.raises(ValueError, match="model.fuse_gelu_into_fp8_cast=True needs model.mlp"):
+    load_config("configs/tiny.yaml", ["model.mlp=swiglu", "model.fuse_gelu_into_fp8_cast=true"])
