@@ -29,6 +29,7 @@ CATEGORIES = (  # first match wins
     ("attention", re.compile(r"fmha|flash|cudnn|attn|sdpa", re.I)),  # before gemm: cuDNN's
     ("gemm", re.compile(r"gemm|cublas|nvjet|xmma|cutlass|matmul|sm\d\d_", re.I)),  # "wgmma"
     ("collective", re.compile(r"nccl|all_reduce|all_gather|reduce_scatter", re.I)),
+    ("fp8 cast kernel", re.compile(r"fp8_cast_transpose_amax")),  # before copy/transpose
     ("fusion:reduce", re.compile(r"reduce", re.I)),
     ("fusion:convert", re.compile(r"convert", re.I)),
     ("copy/transpose", re.compile(r"copy|transpose|memcpy|memset", re.I)),
