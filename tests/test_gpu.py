@@ -81,3 +81,30 @@ def test_fused_gelu_cast_kernel_compiles_and_matches_xla():
   assert np.mean(q32 != rq32) < 1e-2
   assert np.max(np.abs(q32 - rq32)) <= 0.125 * np.max(np.abs(rq32))
   assert float(amax) == pytest.approx(float(ramax), rel=1e-2)
+
+
+def test_saved_gemm_outputs_with_cudnn_attention_skip_its_forward():
+  """remat_policy="save_gemm_outputs" with cuDNN attention: the compiled step runs the
+  attention forward once per layer (not again in the recomputation) and the gradients match
+  full remat."""
+  import re
+  from fp8jax.models import GPT, ModelConfig, init_model, next_token_loss
+  cfg = ModelConfig(d_model=256, n_layers=2, n_heads=2, d_ff=1024, max_seq_len=256, remat=True,
+                    attention_impl="cudnn")
+  recipe = fp8jax.O1.recipe
+  variables = init_model(cfg, recipe, jax.random.key(0), 4, 256)
+  batch = jax.random.randint(jax.random.key(1), (4, 257), 0, 256)
+  out, fprops = {}, {}
+  for policy in ("full", "save_gemm_outputs"):
+    model = GPT(cfg.replace(remat_policy=policy), recipe)
+    f = jax.jit(jax.value_and_grad(
+        lambda v: next_token_loss(model.apply(v, batch[:, :-1]), batch[:, 1:])))
+    hlo = f.lower(variables).compile().as_text()
+    targets = re.findall(r'custom_call_target="([^"]*fmha[^"]*)"', hlo)
+    fprops[policy] = sum("Backward" not in t for t in targets)
+    out[policy] = f(variables)
+  assert fprops["full"] == 2 * fprops["save_gemm_outputs"] > 0, fprops
+  assert float(out["full"][0]) == pytest.approx(float(out["save_gemm_outputs"][0]), rel=1e-5)
+  for a, b in zip(jax.tree.leaves(out["full"][1]), jax.tree.leaves(out["save_gemm_outputs"][1])):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               rtol=2e-2, atol=1e-3 * float(np.max(np.abs(np.asarray(a)))) + 1e-9)

@@ -48,3 +48,36 @@ def test_bad_remat_policy_is_refused():
     CFG.replace(remat_policy="dots")
   with pytest.raises(ValueError, match=r"model.remat_policy='none' is not allowed"):
     load_config("configs/tiny.yaml", ["model.remat_policy=none"])
+
+
+def test_attention_residuals_saved_by_name_skip_the_attention_forward(key):
+  """causal_attention_saving_residuals (the model uses it with cuDNN; "xla" here, the only
+  implementation on CPUs): under a scan of remat'd layers saving GEMM_OUTPUT_NAME the
+  recomputation runs no attention dot (QK^T, PV) again; gradients bit-identical."""
+  from fp8jax.models.gpt import GEMM_OUTPUT_NAME, causal_attention_saving_residuals
+  from jax.ad_checkpoint import checkpoint_name
+  policy = jax.checkpoint_policies.save_only_these_names(GEMM_OUTPUT_NAME)
+  k1, k2 = jax.random.split(key)
+  x = jax.random.normal(k1, (2, 16, 16))
+  ws = jax.random.normal(k2, (3, 16, 48)) / 4
+
+  def layer(x, w, saving):
+    qkv = checkpoint_name(x @ w, GEMM_OUTPUT_NAME).reshape(2, 16, 3, 2, 8)
+    q, k, v = jax.numpy.tanh(qkv[:, :, 0]), jax.numpy.sin(qkv[:, :, 1]), qkv[:, :, 2]
+    if saving:
+      o = checkpoint_name(causal_attention_saving_residuals(q, k, v, "xla"), GEMM_OUTPUT_NAME)
+    else:
+      o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    return x + jax.numpy.tanh(o.reshape(2, 16, 16)), None
+
+  dots, grads = {}, {}
+  for saving in (False, True):
+    body = jax.checkpoint(lambda x, w: layer(x, w, saving), policy=policy)
+    loss = lambda x, ws: jax.numpy.sum(jax.lax.scan(body, x, ws)[0] ** 2)
+    f = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    dots[saving] = len(re.findall(r"= \S+ dot\(", f.lower(x, ws).compile().as_text()))
+    grads[saving] = f(x, ws)
+  assert dots[False] - dots[True] == 2, dots
+  assert float(jax.numpy.abs(grads[True][1]).max()) > 0
+  for a, b in zip(grads[False], grads[True], strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

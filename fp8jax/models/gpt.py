@@ -8,8 +8,9 @@ embeddings, norms, softmax and the activation x activation attention matmuls sta
 compute dtype (BF16) / f32, as MS-AMP does. Layers run under ``nn.scan`` (parameters and FP8
 state stacked on a leading layer axis) and optionally ``nn.remat`` (which by default keeps
 the FP8 weight casts of the forward for the backward, see ``remat_save_fp8_weights``; with
-``remat_policy="save_gemm_outputs"`` it also keeps the projection outputs the backward needs,
-so only the elementwise work, the FP8 casts and the attention forward are recomputed).
+``remat_policy="save_gemm_outputs"`` it also keeps the projection outputs the backward needs
+and, with cuDNN attention, the attention's residuals, so only the elementwise work and the FP8
+casts are recomputed).
 
 Shapes: B batch, T sequence, D d_model, H heads, K head dim (D / H), F d_ff, V vocab.
 """
@@ -58,8 +59,9 @@ class ModelConfig:
       FP8 weight casts, see below): every GEMM runs again in the recomputation;
       "save_gemm_outputs" also keeps the projection outputs the backward needs (qkv, attention
       out, MLP in; bf16: 2 * (4D + F) bytes per token and layer, 2 * (4D + 2F) with SwiGLU),
-      so no GEMM is recomputed, only norms, RoPE, the activation, the FP8 casts and the
-      attention forward.
+      so no GEMM is recomputed, only norms, RoPE, the activation and the FP8 casts; with
+      attention_impl="cudnn" the attention's residuals are kept too (q, k, v, output and
+      softmax statistics: ~2 * 4D bytes more), so its forward does not run again either.
     remat_save_fp8_weights: with remat, keep each FP8 GEMM's weight cast from the forward
       (1 byte per weight, all layers) instead of casting the weights again in the
       recomputation (``fp8jax.dot.SAVE_FP8_WEIGHTS``); bit-identical results. No effect
@@ -151,6 +153,29 @@ def _saveable(y):
   return checkpoint_name(y, GEMM_OUTPUT_NAME)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def causal_attention_saving_residuals(q, k, v, implementation: str):
+  """``jax.nn.dot_product_attention(q, k, v, is_causal=True)`` whose backward residuals (for
+  cuDNN: q, k, v, the output and the softmax statistics) are named ``GEMM_OUTPUT_NAME``, so a
+  remat policy that saves that name does not run the attention forward again. (With
+  implementation="xla" the residuals include the T x T probabilities: use it for tests.)"""
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+
+def _attention_fwd(q, k, v, implementation):
+  o, vjp = jax.vjp(lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=True, implementation=implementation), q, k, v)
+  return o, jax.tree.map(_saveable, vjp)
+
+
+def _attention_bwd(implementation, vjp, g):
+  del implementation
+  return vjp(g)
+
+
+causal_attention_saving_residuals.defvjp(_attention_fwd, _attention_bwd)
+
+
 def _dense_kwargs(config: ModelConfig, recipe: Recipe | None, std: float) -> dict:
   """Common nn.Dense/DenseGeneral arguments: dtypes, init N(0, std), the FP8 GEMM."""
   kw = dict(use_bias=False, dtype=jnp.dtype(config.dtype),
@@ -226,8 +251,11 @@ class Attention(nn.Module):
     q, k, v = (qkv[:, :, :, i] for i in range(3))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     # Scores and softmax in f32 (activation x activation: no FP8), output in the compute dtype.
-    o = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                     implementation=cfg.attention_impl)
+    if cfg.remat and cfg.remat_policy == "save_gemm_outputs" and cfg.attention_impl == "cudnn":
+      o = _saveable(causal_attention_saving_residuals(q, k, v, cfg.attention_impl))
+    else:
+      o = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                       implementation=cfg.attention_impl)
     out_std = std / np.sqrt(2 * cfg.n_layers)
     return _saveable(nn.DenseGeneral(cfg.d_model, axis=(-2, -1), name="out",
                                      **_dense_kwargs(cfg, self.recipe, out_std))(o))
