@@ -17,10 +17,10 @@ put ``FP8_COLLECTION`` in ``variable_axes`` (state stacked on the layer axis).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
 from typing import Any, Sequence
 
 import flax.linen as nn
+from flax import traverse_util
 import jax
 import jax.numpy as jnp
 
@@ -172,12 +172,6 @@ def apply_fp8_updates(variables, grads):
   return {**variables, FP8_COLLECTION: new}
 
 
-def _is_gemm_state(node) -> bool:
-  """A module's FP8 state: {role: Fp8Meta} for the three roles of one FP8 GEMM."""
-  return isinstance(node, Mapping) and set(node) == set(_ROLES) and all(
-      isinstance(node[r], scaling.Fp8Meta) for r in _ROLES)
-
-
 def cast_weights(variables, recipe: Recipe, dtype=None) -> dict:
   """``{WEIGHT_CAST_COLLECTION: ...}``: the FP8 cast of every :class:`Fp8DotGeneral`'s weight,
   done once, to apply the model with (``{**variables, **cast_weights(...)}``).
@@ -191,26 +185,16 @@ def cast_weights(variables, recipe: Recipe, dtype=None) -> dict:
   scan's ``variable_axes`` like ``FP8_COLLECTION``. GEMMs without a "kernel" param next to
   them are skipped (they cast as usual); the collection is not differentiated.
   """
-  params, out = variables["params"], {}
-
-  def visit(node, path):
-    if _is_gemm_state(node):
-      parent = params
-      for key in path[:-1]:
-        parent = parent.get(key, {}) if isinstance(parent, Mapping) else {}
-      kernel = parent.get("kernel") if isinstance(parent, Mapping) else None
-      if kernel is None:
-        return
-      cast = lambda w, m: dot.cast_weight(w if dtype is None else w.astype(dtype), m, recipe)
-      for _ in range(jnp.ndim(node["kernel"].scale)):  # layer axes stacked by nn.scan
-        cast = jax.vmap(cast)
-      target = out
-      for key in path:
-        target = target.setdefault(key, {})
-      target.update(cast(kernel, node["kernel"])._asdict())
-    elif isinstance(node, Mapping):
-      for key, child in node.items():
-        visit(child, path + (key,))
-
-  visit(variables.get(FP8_COLLECTION, {}), ())
-  return {WEIGHT_CAST_COLLECTION: out} if out else {}
+  params = traverse_util.flatten_dict(variables["params"])
+  out = {}
+  for path, meta in traverse_util.flatten_dict(variables.get(FP8_COLLECTION, {})).items():
+    # path = (.. parent module, GEMM module, role); the weight is the parent's "kernel".
+    kernel = params.get(path[:-2] + ("kernel",))
+    if path[-1] != "kernel" or not isinstance(meta, scaling.Fp8Meta) or kernel is None:
+      continue
+    cast = lambda w, m: dot.cast_weight(w if dtype is None else w.astype(dtype), m, recipe)
+    for _ in range(jnp.ndim(meta.scale)):  # layer axes stacked by nn.scan
+      cast = jax.vmap(cast)
+    for field, value in cast(kernel, meta)._asdict().items():
+      out[path[:-1] + (field,)] = value
+  return {WEIGHT_CAST_COLLECTION: traverse_util.unflatten_dict(out)} if out else {}

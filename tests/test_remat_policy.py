@@ -52,11 +52,12 @@ def test_bad_remat_policy_is_refused():
 
 def test_attention_residuals_saved_by_name_skip_the_attention_forward(key):
   """causal_attention_saving_residuals (the model uses it with cuDNN; "xla" here, the only
-  implementation on CPUs): under a scan of remat'd layers saving GEMM_OUTPUT_NAME the
+  implementation on CPUs): under a scan of remat'd layers saving the model's names the
   recomputation runs no attention dot (QK^T, PV) again; gradients bit-identical."""
-  from fp8jax.models.gpt import GEMM_OUTPUT_NAME, causal_attention_saving_residuals
+  from fp8jax.models.gpt import (GEMM_OUTPUT_NAME, causal_attention_saving_residuals,
+                                 remat_policy)
   from jax.ad_checkpoint import checkpoint_name
-  policy = jax.checkpoint_policies.save_only_these_names(GEMM_OUTPUT_NAME)
+  policy = remat_policy(CFG.replace(remat_policy="save_gemm_outputs"))
   k1, k2 = jax.random.split(key)
   x = jax.random.normal(k1, (2, 16, 16))
   ws = jax.random.normal(k2, (3, 16, 48)) / 4

@@ -38,8 +38,10 @@ DTYPES = ("bfloat16", "float32", "float16")
 PARAM_DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("xla", "cudnn")
 REMAT_POLICIES = ("full", "save_gemm_outputs")
-# checkpoint_name of every projection's output (nn.remat with remat_policy="save_gemm_outputs").
+# checkpoint_names that remat_policy="save_gemm_outputs" saves: every projection's output and
+# the attention's backward residuals (causal_attention_saving_residuals).
 GEMM_OUTPUT_NAME = "fp8jax_gemm_output"
+ATTENTION_RESIDUALS_NAME = "fp8jax_attention_residuals"
 _POSITIVE = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len")
 
 
@@ -156,8 +158,8 @@ def _saveable(y):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def causal_attention_saving_residuals(q, k, v, implementation: str):
   """``jax.nn.dot_product_attention(q, k, v, is_causal=True)`` whose backward residuals (for
-  cuDNN: q, k, v, the output and the softmax statistics) are named ``GEMM_OUTPUT_NAME``, so a
-  remat policy that saves that name does not run the attention forward again. (With
+  cuDNN: q, k, v, the output and the softmax statistics) are named
+  ``ATTENTION_RESIDUALS_NAME``, so a remat policy that saves that name does not run the attention forward again. (With
   implementation="xla" the residuals include the T x T probabilities: use it for tests.)"""
   return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
@@ -165,7 +167,7 @@ def causal_attention_saving_residuals(q, k, v, implementation: str):
 def _attention_fwd(q, k, v, implementation):
   o, vjp = jax.vjp(lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=True, implementation=implementation), q, k, v)
-  return o, jax.tree.map(_saveable, vjp)
+  return o, jax.tree.map(lambda r: checkpoint_name(r, ATTENTION_RESIDUALS_NAME), vjp)
 
 
 def _attention_bwd(implementation, vjp, g):
@@ -354,7 +356,8 @@ class GPT(nn.Module):
 def remat_policy(config: ModelConfig):
   """The ``jax.checkpoint`` policy of `config`'s remat: the names it saves (None: nothing)."""
   names = ((WEIGHT_CAST_NAME,) if config.remat_save_fp8_weights else ()) + (
-      (GEMM_OUTPUT_NAME,) if config.remat_policy == "save_gemm_outputs" else ())
+      (GEMM_OUTPUT_NAME, ATTENTION_RESIDUALS_NAME)
+      if config.remat_policy == "save_gemm_outputs" else ())
   return jax.checkpoint_policies.save_only_these_names(*names) if names else None
 
 
