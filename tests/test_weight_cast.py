@@ -143,7 +143,10 @@ def test_weights_cast_once_per_step_for_all_microbatches(key):
   # inside the microbatch loop. Once: every kernel (layers stacked: one cast each) before it.
   assert _step_casts(key, once=False) == (4 + 1, 0)
   assert _step_casts(key, once=True) == (0, 4 + 1)
-  assert _step_casts(key, once=True, microbatches=1) == (4 + 1, 0)  # nothing to save
+  # One microbatch (no microbatch loop): nothing to save; the layers' 4 casts run inside the
+  # layer scan, the head's outside any scan, as without the option.
+  assert _step_casts(key, once=True, microbatches=1) == (4, 1)
+  assert _step_casts(key, once=False, microbatches=1) == (4, 1)
 
 
 @pytest.mark.parametrize("level, zero_stage", [("O1", None), ("O2", None), ("O1", 1)])

@@ -25,6 +25,10 @@ from fp8jax.optim.rounding import index_bits, round_with_bits
 
 BLOCK = 2048
 NUM_WARPS = 8
+# Triton addresses a call's elements with 32-bit offsets (program_id * block): a call takes at
+# most 2**31 - 1 of them (a larger tensor read garbage: the 7B config's stacked SwiGLU input
+# kernel, 2.9e9 elements, got an infinite scale); larger tensors go in chunks.
+MAX_CALL_ELEMENTS = 2**31 - 1
 # Indices into the f32 scalar vector (per tensor).
 (S_G, S_MU_OLD, S_NU_OLD, S_INV_MU, S_NU_NEW, S_INV_NU, S_BC1, S_RFAC, S_EPS, S_WD, S_STEP,
  S_OK, S_W_OLD, S_W_NEW, S_INV_W, S_MU_NEW) = range(16)
@@ -74,14 +78,14 @@ def update_reference(g, mu, nu, w, s, seed, index, b1: float, b2: float):
 
 def _kernel(g_ref, mu_ref, nu_ref, w_ref, s_ref, seed_ref, amax_in, mu_s_in, nu_s_in, w_s_in,
             mu_out, nu_out, w_out, amax_out, mu_s_out, nu_s_out, w_s_out, *, b1, b2, block,
-            row):
+            row, start):
   """One block; a skipped step (s[S_OK] == 0) writes nothing: the outputs alias the inputs.
   The first block also writes the tensor's three new scales."""
   del amax_in, mu_s_in, nu_s_in, w_s_in  # aliased to the outputs
   from jax.experimental import pallas as pl
   s = [s_ref[row * NUM_SCALARS + i] for i in range(NUM_SCALARS)]
   first = pl.program_id(0) == 0
-  index = (pl.program_id(0).astype(jnp.uint32) * jnp.uint32(block)
+  index = (jnp.uint32(start) + pl.program_id(0).astype(jnp.uint32) * jnp.uint32(block)
            + lax.broadcasted_iota(jnp.uint32, (block,), 0))
   seed = seed_ref[0] + jnp.uint32(row)
 
@@ -110,11 +114,15 @@ def scalar_table(rows) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("row", "offset", "b1", "b2", "interpret", "block",
-                                             "num_warps"))
+                                             "num_warps", "start"))
 def adam_master_update(g, mu, nu, w, table, seed, amax, scales, *, row: int, offset: int,
                        b1: float, b2: float, interpret: bool = False, block: int = BLOCK,
-                       num_warps: int = NUM_WARPS):
+                       num_warps: int = NUM_WARPS, start: int = 0):
   """The fused update of tensor `row` (see the module docstring); payloads f[N].
+
+  `start`: flat index of the payloads' first element in their tensor (a chunk of a tensor
+  too large for one call: :data:`MAX_CALL_ELEMENTS`); it keeps the stochastic rounding's
+  stream the whole tensor's.
 
   `table`: :func:`scalar_table` of all tensors; `seed`: u32[1] base seed (tensor `row` uses
   ``seed + row``); `amax`: f32[M], whose entries ``offset .. offset + N / block`` receive the
@@ -125,6 +133,9 @@ def adam_master_update(g, mu, nu, w, table, seed, amax, scales, *, row: int, off
   """
   from jax.experimental import pallas as pl
   n = g.shape[0]
+  if n > MAX_CALL_ELEMENTS or start + n > 2**32:
+    raise ValueError(f"adam_master_update: {n} elements from {start}: one call takes at most "
+                     f"{MAX_CALL_ELEMENTS} (32-bit offsets) and indices below 2**32")
   if n % block or not (g.shape == mu.shape == nu.shape == w.shape) or g.ndim != 1:
     raise ValueError(f"adam_master_update: payloads must be 1-D of one length, a multiple of "
                      f"{block}; got {[a.shape for a in (g, mu, nu, w)]}")
@@ -142,7 +153,8 @@ def adam_master_update(g, mu, nu, w, table, seed, amax, scales, *, row: int, off
   scalar = jax.ShapeDtypeStruct((1,), jnp.float32)
   scales = tuple(jnp.asarray(x, jnp.float32).reshape(1) for x in scales)
   *out, mu_s, nu_s, w_s = pl.pallas_call(
-      functools.partial(_kernel, b1=b1, b2=b2, block=block, row=row), grid=(grid,),
+      functools.partial(_kernel, b1=b1, b2=b2, block=block, row=row, start=start),
+      grid=(grid,),
       in_specs=[vec, vec, vec, vec, pl.BlockSpec(table.shape, lambda i: (0,)), one, blocks,
                 one, one, one],
       out_specs=[vec, vec, vec, blocks, one, one, one],

@@ -38,6 +38,10 @@ _INTERPRET_ANYWHERE = False
 ACTIVATIONS = ("gelu",)
 
 
+# Triton addresses the kernel's elements with 32-bit offsets: larger inputs take the XLA path.
+MAX_ELEMENTS = 2**31 - 1
+
+
 def check_activation(activation: str | None) -> None:
   """Raises ValueError unless `activation` is None or one of ACTIVATIONS."""
   if activation is not None and activation not in ACTIVATIONS:
@@ -156,6 +160,8 @@ def kernel_reason(shape, dtype, fmt, *, block_m: int = BLOCK_M,
   if np.dtype(fmt) not in [np.dtype(d) for d in _FP8_DTYPES]:
     return f"format {np.dtype(fmt).name} is not float8_e4m3fn/float8_e5m2"
   m, k = shape[-2:]
+  if int(np.prod(shape, dtype=np.int64)) > MAX_ELEMENTS:
+    return f"{int(np.prod(shape, dtype=np.int64))} elements need 64-bit offsets (> 2**31 - 1)"
   if m % block_m or k % block_k:
     return f"(M, K)=({m}, {k}) is not a multiple of the block ({block_m}, {block_k})"
   if not _INTERPRET_ANYWHERE and jax.default_backend() != "gpu":

@@ -31,13 +31,45 @@ from fp8jax.optim.rounding import hash32
 from fp8jax.optim.scaled import ScaledArray, amaxes, is_scaled
 from fp8jax.optim.transforms import ScaleByAdamState
 
+# Plain (unscaled) gradient dtypes the step accepts.
+PLAIN_GRAD_DTYPES = tuple(np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
+
 
 def _inv(s):
   return jnp.where(s > 0, 1.0 / s, 0.0)
 
 
 def _use_kernel(n: int, interpret) -> bool:
-  return n % K.BLOCK == 0 and (interpret or jax.default_backend() == "gpu")
+  """Whether a tensor of `n` elements goes through the Pallas kernel (else XLA)."""
+  return n % K.BLOCK == 0 and n < 2**32 and (interpret or jax.default_backend() == "gpu")
+
+
+def _chunks(n: int) -> list[tuple[int, int]]:
+  """(start, stop) of the kernel calls covering `n` elements: one call unless `n` exceeds
+  ``K.MAX_CALL_ELEMENTS``, else equal-ish chunks, each a multiple of ``K.BLOCK``."""
+  limit = K.MAX_CALL_ELEMENTS // K.BLOCK * K.BLOCK
+  if n <= limit:
+    return [(0, n)]
+  blocks, parts = n // K.BLOCK, -(-n // limit)
+  cuts = [K.BLOCK * (blocks * j // parts) for j in range(parts + 1)]
+  return list(zip(cuts[:-1], cuts[1:]))
+
+
+def _kernel_update(i, gd, mu, nu, w, table, seed, blocks, offset, b1, b2, interpret):
+  """Tensor `i`'s kernel update, in chunks of at most ``K.MAX_CALL_ELEMENTS`` (see
+  :func:`_chunks`; each chunk is copied out and the results joined: a tensor that large pays
+  one extra pass). Returns (mu', nu', w' flat, blocks', [mu, nu, w scales])."""
+  flat = [x.reshape(-1) for x in (gd, mu.data, nu.data, w.data)]
+  scales = (mu.scale, nu.scale, w.scale)
+  outs = []
+  for a, b in _chunks(flat[0].shape[0]):
+    m2, v2, w2, blocks, scales = K.adam_master_update(
+        *(x[a:b] if (a, b) != (0, x.shape[0]) else x for x in flat), table, seed.reshape(1),
+        blocks, scales, row=i, offset=offset + a // K.BLOCK, b1=b1, b2=b2, start=a,
+        interpret=interpret, block=K.BLOCK, num_warps=K.NUM_WARPS)
+    outs.append((m2, v2, w2))
+  joined = [o[0] if len(outs) == 1 else jnp.concatenate(o) for o in zip(*outs)]
+  return (*joined, blocks, [x.reshape(()) for x in scales])
 
 
 def _stack_scales(scales) -> jax.Array:
@@ -103,7 +135,8 @@ def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1:
   """``(new_master, new_state)`` of one AdamW step on FP16 master weights (see module doc).
 
   Args:
-    grads: tree like the params: f32 arrays or ScaledArray (FP8 payload + scale).
+    grads: tree like the params: f32 / bf16 / f16 arrays (read once, widened to f32 in the
+      kernel) or ScaledArray (FP8 payload + scale).
     state: the state of ``fp8jax.optim.adamw(learning_rate, b1, b2, eps, ...)`` (a tuple
       ``(ScaleByAdamState, decay state, learning-rate state)``).
     master: FP16 master weights (:func:`fp8jax.optim.init_master`), every leaf scaled.
@@ -127,8 +160,9 @@ def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1:
   for g, w in zip(g_leaves, w_leaves):
     if not is_scaled(w):
       raise ValueError("adamw_master_step: every master leaf must be a ScaledArray")
-    if not is_scaled(g) and np.dtype(g.dtype) != np.dtype(np.float32):
-      raise ValueError(f"adamw_master_step: plain gradients must be float32, got {g.dtype}")
+    if not is_scaled(g) and np.dtype(g.dtype) not in PLAIN_GRAD_DTYPES:
+      raise ValueError("adamw_master_step: plain gradients must be one of "
+                       f"{[str(d) for d in PLAIN_GRAD_DTYPES]}, got {g.dtype}")
   decayed = [True] * len(g_leaves)
   if mask is not None:
     params_like = jax.tree.unflatten(treedef, [w.data for w in w_leaves])
@@ -188,12 +222,8 @@ def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1:
     gd = g.data if is_scaled(g) else g
     shape = gd.shape
     if kernel[i]:
-      m2, v2, w2, blocks, sc = K.adam_master_update(
-          gd.reshape(-1), mu.data.reshape(-1), nu.data.reshape(-1), w.data.reshape(-1), table,
-          seed.reshape(1), blocks, (mu.scale, nu.scale, w.scale), row=i,
-          offset=int(offsets[i]), b1=b1, b2=b2, interpret=interpret, block=K.BLOCK,
-          num_warps=K.NUM_WARPS)
-      kernel_scales[i] = [x.reshape(()) for x in sc]  # written by the kernel: no slices
+      m2, v2, w2, blocks, kernel_scales[i] = _kernel_update(  # scales written by the kernel
+          i, gd, mu, nu, w, table, seed, blocks, int(offsets[i]), b1, b2, interpret)
     else:
       index = jnp.arange(sizes[i], dtype=jnp.uint32).reshape(shape)
       leaf_seed = seed + jnp.uint32(i)  # apply_master_updates' stream

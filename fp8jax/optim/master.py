@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax.optim.finite import all_finite
+from fp8jax.params import is_gemm_weight
 from fp8jax.optim.rounding import hash32, stochastic_round
 from fp8jax.optim.scaled import (ScaledArray, amaxes, check_float_dtype, dequantize_scaled,
                                  is_scaled, payload_max, quantize_with_scale, scale_from_bound)
@@ -93,10 +94,17 @@ def init_master(params, dtype=jnp.float16, *, axis_names: Sequence[str] = ()) ->
                        jnp.zeros((), jnp.int32))
 
 
-def master_params(master: MasterWeights, dtype=jnp.float32):
-  """The params the model computes from: master weights dequantized to `dtype`."""
-  return jax.tree.map(lambda x: dequantize_scaled(x, dtype) if is_scaled(x) else x,
-                      master.params, is_leaf=is_scaled)
+def master_params(master: MasterWeights, dtype=jnp.float32, *, matrix_dtype=None):
+  """The params the model computes from: master weights dequantized to `dtype`, and the GEMM
+  weights (leaves named ``kernel`` or ``embedding``, :mod:`fp8jax.params`) to `matrix_dtype`
+  when given (e.g. BF16 for a model that computes its GEMMs in BF16: the same values reach
+  them, and the copy and its gradient take half the bytes)."""
+  def decode(path, x):
+    if not is_scaled(x):
+      return x
+    narrow = matrix_dtype is not None and is_gemm_weight(path)
+    return dequantize_scaled(x, matrix_dtype if narrow else dtype)
+  return jax.tree_util.tree_map_with_path(decode, master.params, is_leaf=is_scaled)
 
 
 def apply_master_updates(master: MasterWeights, updates, *, rounding: str = "stochastic",

@@ -225,7 +225,8 @@ class Trainer:
       inside = ("params", "opt_state") if self.fused_update is not None else ()
       step = jax.jit(guards.skip_nonfinite_steps(
           make_train_step(apply_fn, self.tx, microbatches, fused_update=self.fused_update,
-                          cast_weights=cast), skipped_inside=inside),
+                          cast_weights=cast, matrix_dtype=self.config.model.dtype),
+          skipped_inside=inside),
           donate_argnums=0)
     self._steps[key] = step
     return step

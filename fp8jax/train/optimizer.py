@@ -7,6 +7,7 @@ import numpy as np
 import optax
 
 from fp8jax import optim as fp8_optim
+from fp8jax.params import gemm_weight_mask
 from fp8jax.recipe import O1, OptLevel
 
 
@@ -18,8 +19,9 @@ def lr_schedule(peak: float, warmup_steps: int, total_steps: int, min_ratio: flo
 
 
 def decay_mask(params):
-  """Weight decay on matrices only (not on norms, biases or other vectors)."""
-  return jax.tree.map(lambda p: p.ndim >= 2, params)
+  """Weight decay on GEMM weights only (kernels, embeddings; not on norm gains or biases,
+  also when layers are stacked under scan)."""
+  return gemm_weight_mask(params)
 
 
 def make_optimizer(schedule, *, b1: float, b2: float, eps: float, weight_decay: float,

@@ -31,13 +31,18 @@ class TrainState(NamedTuple):
   opt_state: Any
   comm: Any = ()
 
-  def model_params(self):
-    """The parameters the model computes from (master weights decoded to f32)."""
-    return master_params(self.params) if isinstance(self.params, MasterWeights) else self.params
+  def model_params(self, matrix_dtype=None):
+    """The parameters the model computes from: master weights decoded to f32, their GEMM
+    weights (kernels, embeddings) to `matrix_dtype` when given; plain params as they are."""
+    if isinstance(self.params, MasterWeights):
+      return master_params(self.params, matrix_dtype=matrix_dtype)
+    return self.params
 
-  def variables(self) -> dict:
-    """The Flax variables dict the model is applied with."""
-    return {"params": self.model_params(), **({FP8_COLLECTION: self.fp8} if self.fp8 else {})}
+  def variables(self, matrix_dtype=None) -> dict:
+    """The Flax variables dict the model is applied with (`matrix_dtype`: as for
+    :meth:`model_params`)."""
+    return {"params": self.model_params(matrix_dtype),
+            **({FP8_COLLECTION: self.fp8} if self.fp8 else {})}
 
 
 def init_state(model, tx, level, batch_size: int, seq_len: int, seed: int) -> TrainState:

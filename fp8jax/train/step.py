@@ -30,11 +30,26 @@ def _loss(apply_fn: Callable, variables, batch):
   return cross_entropy(apply_fn(variables, batch[:, :-1]), batch[:, 1:])
 
 
+def _widen(x):
+  """A floating array in at least f32 (gradient sums and reductions run in f32)."""
+  return x.astype(jnp.promote_types(x.dtype, jnp.float32)) \
+      if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+
+def _accumulator(variables) -> dict:
+  """Zeros that microbatch gradients of `variables` are summed into: f32 (at least) for
+  floating params whatever their compute dtype; the FP8 state as it is."""
+  zeros = jax.tree.map(jnp.zeros_like, variables)
+  zeros["params"] = jax.tree.map(lambda p: jnp.zeros_like(_widen(p)), variables["params"])
+  return zeros
+
+
 def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microbatches: int = 1,
                     *, gather_params: Callable | None = None,
                     reduce_gradients: Callable | None = None,
                     fused_update: Callable | None = None,
-                    cast_weights: Callable | None = None):
+                    cast_weights: Callable | None = None,
+                    matrix_dtype=None):
   """A jittable ``step(state, batch) -> (state, metrics)``.
 
   Args:
@@ -44,7 +59,7 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
     gather_params: optional ``params -> params`` applied before the forward (ZeRO-3's weight
       all-gather, ``fp8jax.parallel.zero``); differentiable.
     reduce_gradients: optional ``grads -> grads`` applied to each microbatch's parameter
-      gradients (ZeRO's all-reduce / reduce-scatter layout).
+      gradients (ZeRO's all-reduce / reduce-scatter layout); they reach it in f32.
     fused_update: optional ``(master, opt_state, grads, finite, grad_norm) -> (master,
       opt_state)`` replacing `tx` plus ``apply_master_updates`` for FP16 master weights
       (:func:`fp8jax.train.optimizer.make_fused_update`); `finite` (bool[]): loss and
@@ -53,6 +68,12 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
       the microbatch loop, and applied with every microbatch
       (``functools.partial(fp8jax.linen.cast_weights, recipe=..., dtype=...)``: FP8 weights
       cast once per optimizer step, not once per microbatch); not with `gather_params`.
+    matrix_dtype: optional dtype the FP16 master weights' GEMM weights (leaves named kernel
+      or embedding, ``fp8jax.params``) are decoded to for the forward and backward: the
+      model's compute dtype (BF16), exact for a model that casts them to it before use, as
+      fp8jax's GPT does. The decoded copy and its gradient then take 2 bytes per parameter
+      instead of 4 each; gradients are still summed over microbatches, reduced and clipped
+      in f32. No effect on plain (O0/O1) params; not with `gather_params`.
   Metrics: loss (mean over the batch), grad_norm (before clipping).
   """
   if microbatches < 1:
@@ -60,34 +81,45 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
   if cast_weights is not None and gather_params is not None:
     raise ValueError("cast_weights with gather_params is not supported: the weights are "
                      "gathered per microbatch (ZeRO-3); cast them there")
+  if matrix_dtype is not None and gather_params is not None:
+    raise ValueError("matrix_dtype with gather_params is not supported: ZeRO-3 gathers the "
+                     "master weights' payloads itself")
+  if matrix_dtype is not None and not jnp.issubdtype(jnp.dtype(matrix_dtype), jnp.floating):
+    raise ValueError(f"matrix_dtype={matrix_dtype!r} is not a floating dtype")
 
   def loss_of(variables, batch, extra):
     if gather_params is not None:
       variables = {**variables, "params": gather_params(variables["params"])}
     return _loss(apply_fn, {**variables, **extra}, batch)
 
-  def grads(state: TrainState, batch, extra):
-    loss, g = jax.value_and_grad(loss_of)(state.variables(), batch, extra)
+  def grads(variables, batch, extra):
+    loss, g = jax.value_and_grad(loss_of)(variables, batch, extra)
     if reduce_gradients is not None:
-      g = {**g, "params": reduce_gradients(g["params"])}
+      g = {**g, "params": reduce_gradients(jax.tree.map(_widen, g["params"]))}
     return loss, g
 
   def step(state: TrainState, batch):
     if batch.shape[0] % microbatches:
       raise ValueError(f"batch of {batch.shape[0]} sequences does not split into "
                        f"{microbatches} microbatches")
-    parts = batch.reshape(microbatches, batch.shape[0] // microbatches, *batch.shape[1:])
-    zeros = jax.tree.map(jnp.zeros_like, state.variables())
+    variables = state.variables(matrix_dtype)  # decoded once, for every microbatch
     extra = {}
     if cast_weights is not None:  # once, for every microbatch
-      extra = cast_weights(jax.lax.stop_gradient(state.variables()))
+      extra = cast_weights(jax.lax.stop_gradient(variables))
+    if microbatches == 1:  # no accumulator: the gradient as it comes
+      loss, g = grads(variables, batch, extra)
+      if fused_update is None:  # the fused update reads narrow gradients itself
+        g = {**g, "params": jax.tree.map(_widen, g["params"])}
+      return apply_gradients(state, tx, g, loss, fused_update)
+    parts = batch.reshape(microbatches, batch.shape[0] // microbatches, *batch.shape[1:])
 
     def body(carry, part):
       loss_sum, acc = carry
-      loss, g = grads(state, part, extra)
+      loss, g = grads(variables, part, extra)
       return (loss_sum + loss, accumulate_gradients(acc, g)), None
 
-    (loss_sum, acc), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), parts)
+    (loss_sum, acc), _ = jax.lax.scan(
+        body, (jnp.zeros((), jnp.float32), _accumulator(variables)), parts)
     acc = {**acc, "params": jax.tree.map(lambda g: g / microbatches, acc["params"])}
     return apply_gradients(state, tx, acc, loss_sum / microbatches, fused_update)
 
@@ -103,7 +135,7 @@ def apply_gradients(state: TrainState, tx: optax.GradientTransformation, grads, 
   `fused_update`: see :func:`make_train_step` (master weights only; other params raise).
   """
   param_grads = grads["params"]
-  grad_norm = optax.tree.norm(param_grads)
+  grad_norm = optax.tree.norm(jax.tree.map(_widen, param_grads))  # summed in f32
   fp8 = apply_fp8_updates(state.variables(), grads).get(FP8_COLLECTION, {})
   if fused_update is not None and not isinstance(state.params, MasterWeights):
     raise ValueError("fused_update needs FP16 master weights (level O2: params are "

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Device call (1 GPU), after the fused O2 update stopped sending tensors of >= 2**31 elements
+# through its kernel (gpu_call26.sh found the NaN there): the full 7B-class config (32
+# layers, 6.5B params, B8 x T2048) on one H200 with XLA allowed 95% of the GPU's memory: O0
+# and O2 with one microbatch, O2 with 8 one-sequence microbatches (FP8 weights cast once per
+# step or per microbatch), O2 spending its memory on B16; first the step probe at O2.
+set -u
+. benchmarks/gpu_env.sh
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
+OUT=${OUT:-/tmp/out}; mkdir -p $OUT
+S="--set model.attention_impl=cudnn"
+SAVE="model.remat_policy=save_gemm_outputs"
+timeout 100 python3 benchmarks/step_probe.py --config configs/gpt_7b.yaml $S --set train.opt_level=O2 \
+  --set train.microbatches=1 --steps 3 2>&1 | grep -E "^(step|  non)"
+timeout 330 python3 benchmarks/train_throughput.py --config configs/gpt_7b.yaml --steps 3 $S \
+  --run "O0 mb1=O0,train.microbatches=1" --run "O2 mb1=O2,train.microbatches=1" \
+  --run "O2 mb8 cast once=O2" --run "O2 mb8 cast per microbatch=O2,fp8.cast_weights_once=false" \
+  --run "O2 B16 mb1=O2,train.microbatches=1,train.batch_size=16" > $OUT/full7.txt 2>&1
+grep -v -i "warn\|^W1\|^ " $OUT/full7.txt | grep -v "^$" | tail -16
