@@ -52,13 +52,19 @@ def _run(steps, fp8_grads, seed, interpret, poison=None):
   return start, pairs
 
 
-def _ulp_diff(a, b):
+def _ulp_diff(a, b, floor_log2=None):
   """(elements that differ beyond the allowance, largest relative difference). The allowance,
   2 + n/500 elements, covers f32 math that differs by an ulp or two (a fused multiply-add, an
-  approximate rsqrt) flipping a rounding of the 8/16-bit payload near a tie."""
+  approximate rsqrt) flipping a rounding of the 8/16-bit payload near a tie. With
+  `floor_log2`, differences of elements below ``2**floor_log2`` of the tensor's largest are
+  taken relative to that floor: a payload 8 decades below its tensor's largest sits among
+  FP16 subnormals, where the two paths' f32 evaluation orders can land a few steps apart
+  (seed 479292: 4.2677e-5 vs 4.3571e-5 in a tensor whose largest payload is 3274)."""
   a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
   excess = np.sum(a != b) - (2 + a.size // 500)
-  return excess / max(a.size, 1), np.max(np.abs(a - b) / np.maximum(np.abs(a), 1e-30))
+  floor = 1e-30 if floor_log2 is None else max(np.max(np.abs(a), initial=0) * 2.0 ** floor_log2,
+                                               1e-30)
+  return excess / max(a.size, 1), np.max(np.abs(a - b) / np.maximum(np.abs(a), floor))
 
 
 def _check_close(m_ref, s_ref, m_f, s_f):
@@ -71,7 +77,7 @@ def _check_close(m_ref, s_ref, m_f, s_f):
     else:
       assert frac <= 0 and rel < 0.13, (frac, rel)  # <= 1 E4M3 ulp, rarely
   for a, b in zip(jax.tree.leaves(m_ref), jax.tree.leaves(m_f)):
-    frac, rel = _ulp_diff(a, b)
+    frac, rel = _ulp_diff(a, b, floor_log2=-16)
     assert a.dtype == b.dtype, (a.dtype, b.dtype)
     if a.dtype == jnp.float32:  # tracked amaxes: f32 rounding order may differ
       assert rel < 1e-6, rel

@@ -1,5 +1,7 @@
 """O2's master weights decoded straight to the compute dtype for the matrices
 (``make_train_step(matrix_dtype=...)``): bit-identical training, less memory."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,7 +93,10 @@ def test_bf16_matrices_need_less_memory(microbatches, fused):
   schedule = lr_schedule(1e-3, 1, 10, 0.1)
   tx = make_optimizer(schedule, level=fp8jax.O2, **HYPER)
   state = init_state(model, tx, fp8jax.O2, B, T, 0)
-  matrices = sum(w.size for w in jax.tree.leaves(state.model_params()) if w.ndim >= 2)
+  from fp8jax.params import gemm_weight_mask
+  params = state.model_params()
+  matrices = sum(w.size for w, m in zip(jax.tree.leaves(params),
+                                        jax.tree.leaves(gemm_weight_mask(params))) if m)
   kw = dict(fused_update=make_fused_update(schedule, **HYPER) if fused else None)
   wide = _temp_bytes(make_train_step(model.apply, tx, microbatches, **kw), state, microbatches)
   narrow = _temp_bytes(make_train_step(model.apply, tx, microbatches,
@@ -117,8 +122,10 @@ def test_fused_step_reads_narrow_plain_gradients(key):
   g32 = jax.tree.map(lambda p: jax.random.normal(key, p.shape).astype(jnp.bfloat16)
                      .astype(jnp.float32), state.model_params())
   g16 = jax.tree.map(lambda g: g.astype(jnp.bfloat16), g32)
+  # interpret=True: tensors of whole blocks go through the Pallas kernel (interpreted), the
+  # others through XLA; both read the BF16 payloads.
   run = lambda g: jax.device_get(adamw_master_step(g, opt_state, state.params,
-                                                   learning_rate=1e-3))
+                                                   learning_rate=1e-3, interpret=True))
   for a, b in zip(jax.tree.leaves(run(g32)), jax.tree.leaves(run(g16)), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   with pytest.raises(ValueError, match="plain gradients must be one of .*got int8"):
@@ -189,3 +196,42 @@ def test_fused_update_chunks_tensors_past_32_bit_offsets(key, monkeypatch):
     K.adam_master_update(*(jnp.zeros(n) for _ in range(4)), jnp.zeros(64), jnp.zeros(1, jnp.uint32),
                          jnp.zeros(8), (1.0, 1.0, 1.0), row=0, offset=0, b1=0.9, b2=0.999,
                          interpret=True)
+
+
+@pytest.mark.parametrize("level, zero_stage", [("O2", None), ("O3", 1), ("O2", 2)])
+def test_trainer_bf16_matrices_are_bit_identical(tmp_path, monkeypatch, level, zero_stage):
+  """Two Trainer steps of 2 microbatches with O2's GEMM weights decoded to BF16 (the
+  Trainer's choice) and to f32: every state array bit-identical, on one device and under
+  ZeRO over the 8 CPU devices."""
+  from fp8jax.config import config_from_dict
+  from fp8jax.parallel import zero
+  from fp8jax.train import loop
+  states, asked = {}, []
+  wide = False
+
+  def spy(*a, _f, matrix_dtype=None, **k):  # records the Trainer's choice, then overrides it
+    asked.append((wide, str(matrix_dtype)))
+    return _f(*a, matrix_dtype=None if wide else matrix_dtype, **k)
+
+  for mod in (loop, zero):
+    monkeypatch.setattr(mod, "make_train_step",
+                        functools.partial(spy, _f=mod.make_train_step))
+  for wide in (False, True):
+    cfg = config_from_dict({
+        "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64, "max_seq_len": 16},
+        "data": {"seq_len": 16, "max_bytes": 200_000},
+        "train": {"steps": 2, "batch_size": 16, "microbatches": 2, "warmup_steps": 1,
+                  "eval_every": 0, "opt_level": level},
+        "parallel": {} if zero_stage is None else {"zero_stage": zero_stage},
+        "runtime": {"run_dir": str(tmp_path / str(wide))}})
+    trainer = loop.Trainer(cfg, progress=False)
+    assert (trainer.zero is None) is (zero_stage is None)
+    for s in range(2):
+      trainer.state, m = trainer.step_fn(2)(trainer.state, trainer.next_batch(s))
+    assert np.isfinite(float(m["loss"]))
+    states[wide] = jax.device_get(trainer.state)
+  assert asked and set(asked) == {(False, "bfloat16"), (True, "bfloat16")}, asked
+  before = jax.tree.leaves(states[False].model_params())
+  assert float(np.std(before[0])) > 0
+  for a, b in zip(jax.tree.leaves(states[False]), jax.tree.leaves(states[True]), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

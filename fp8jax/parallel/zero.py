@@ -273,11 +273,11 @@ class ZeroPlan:
 
   def train_step(self, apply_fn: Callable, tx: optax.GradientTransformation,
                  microbatches: int = 1, donate: bool = True, wrap: Callable | None = None,
-                 cast_weights: Callable | None = None):
+                 cast_weights: Callable | None = None, matrix_dtype=None):
     """The jitted ``step(state, batch) -> (state, metrics)`` with this plan's shardings
     (inputs sharded as :attr:`state` / :attr:`batch`; the state is donated). `wrap`, if
     given, wraps the unsharded step function first (e.g.
-    ``fp8jax.train.guards.skip_nonfinite_steps``). `cast_weights`: as for
+    ``fp8jax.train.guards.skip_nonfinite_steps``). `cast_weights`, `matrix_dtype`: as for
     ``make_train_step`` (stages 0-2; stage 3 gathers its weights per microbatch)."""
     mesh, axes = self.mesh, self.axes
     gather = self.gather_fn()
@@ -285,7 +285,8 @@ class ZeroPlan:
     if self.stage >= 1:
       reduce = lambda g: reduce_gradients(g, mesh, self.stage, axes, self.rules)
     step = make_train_step(apply_fn, tx, microbatches, gather_params=gather,
-                           reduce_gradients=reduce, cast_weights=cast_weights)
+                           reduce_gradients=reduce, cast_weights=cast_weights,
+                           matrix_dtype=matrix_dtype)
     if wrap is not None:
       step = wrap(step)
     host = self.state.opt_state

@@ -217,9 +217,11 @@ class Trainer:
     elif self.grad_comm == "fp8":
       step = self._fp8_step_fn(microbatches, apply_fn)
     elif self.zero is not None:
+      below3 = self.zero.stage < 3  # stage 3 gathers (and decodes) its weights itself
       zero_step = self.zero.train_step(apply_fn, self.tx, microbatches,
                                        wrap=guards.skip_nonfinite_steps,
-                                       cast_weights=cast if self.zero.stage < 3 else None)
+                                       cast_weights=cast if below3 else None,
+                                       matrix_dtype=self.config.model.dtype if below3 else None)
       step = lambda state, batch: zero_step(state, self.zero.shard_batch(batch))
     else:
       inside = ("params", "opt_state") if self.fused_update is not None else ()
