@@ -5,7 +5,7 @@
 set -u
 . benchmarks/gpu_env.sh
 OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-P="python3 benchmarks/step_probe.py --config configs/gpt_7b.yaml --set model.attention_impl=cudnn --set train.opt_level=O2"
+P="python3 benchmarks/step_probe.py --config configs/gpt_7b.yaml --set model.attention_impl=cudnn --set train.opt_level=O2 --set train.microbatches=8 --set train.learning_rate=3e-4 --set train.warmup_steps=100"  # + the config defaults it ran with
 probe() { local name=$1; shift; echo "== $name"; timeout 110 $P "$@" > $OUT/$name.txt 2>&1; \
   grep -E "^(memory|step)|Error|error:" $OUT/$name.txt | tail -8; }
 probe o2_mb1 --set train.microbatches=1 --steps 4
