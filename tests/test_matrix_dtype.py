@@ -63,6 +63,7 @@ def test_bf16_matrices_train_bit_identically(key, microbatches, fused):
   narrow = _run(make_train_step(model.apply, tx, microbatches, matrix_dtype=jnp.bfloat16, **kw),
                 state, key, microbatches)
   for a, b in zip(jax.tree.leaves(wide), jax.tree.leaves(narrow), strict=True):
+    assert np.asarray(a).dtype == np.asarray(b).dtype
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   before = jax.tree.leaves(state.model_params())
   after = jax.tree.leaves(narrow.model_params())
@@ -75,6 +76,7 @@ def test_plain_params_are_left_alone(key):
   a = _run(make_train_step(model.apply, tx, 2), state, key, 2, n=2)
   b = _run(make_train_step(model.apply, tx, 2, matrix_dtype=jnp.bfloat16), state, key, 2, n=2)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    assert np.asarray(x).dtype == np.asarray(y).dtype
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
@@ -127,6 +129,7 @@ def test_fused_step_reads_narrow_plain_gradients(key):
   run = lambda g: jax.device_get(adamw_master_step(g, opt_state, state.params,
                                                    learning_rate=1e-3, interpret=True))
   for a, b in zip(jax.tree.leaves(run(g32)), jax.tree.leaves(run(g16)), strict=True):
+    assert np.asarray(a).dtype == np.asarray(b).dtype
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   with pytest.raises(ValueError, match="plain gradients must be one of .*got int8"):
     adamw_master_step(jax.tree.map(lambda g: g.astype(jnp.int8), g32), opt_state,
@@ -189,6 +192,7 @@ def test_fused_update_chunks_tensors_past_32_bit_offsets(key, monkeypatch):
   assert fused._chunks(n) == [(0, K.BLOCK), (K.BLOCK, 3 * K.BLOCK), (3 * K.BLOCK, n)]
   chunked = run()
   for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(chunked), strict=True):
+    assert np.asarray(a).dtype == np.asarray(b).dtype
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   moved = np.asarray(whole[0].params["kernel"].data) != np.asarray(master.params["kernel"].data)
   assert moved.mean() > 0.5
@@ -234,4 +238,5 @@ def test_trainer_bf16_matrices_are_bit_identical(tmp_path, monkeypatch, level, z
   before = jax.tree.leaves(states[False].model_params())
   assert float(np.std(before[0])) > 0
   for a, b in zip(jax.tree.leaves(states[False]), jax.tree.leaves(states[True]), strict=True):
+    assert np.asarray(a).dtype == np.asarray(b).dtype
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
