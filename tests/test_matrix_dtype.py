@@ -118,22 +118,30 @@ def test_bad_matrix_dtype_is_refused():
 def test_fused_step_reads_narrow_plain_gradients(key):
   """The fused update takes BF16 gradients as the f32 gradients of the same values, and
   refuses integer ones by name."""
+  from fp8jax.kernels import adam_update as K
+  from fp8jax.optim import adamw as fp8_adamw, init_master
   from fp8jax.optim.fused import adamw_master_step
-  _, tx, _, state = _setup()
-  opt_state = state.opt_state[1]  # after the clipping state
-  g32 = jax.tree.map(lambda p: jax.random.normal(key, p.shape).astype(jnp.bfloat16)
-                     .astype(jnp.float32), state.model_params())
+  k = jax.random.split(key, 3)
+  params = {"kernel": jax.random.normal(k[0], (4, K.BLOCK)) * 0.05,  # through the kernel
+            "scale": 1.0 + 0.1 * jax.random.normal(k[1], (96,))}     # through XLA
+  g32 = jax.tree.map(lambda p: jax.random.normal(k[2], p.shape).astype(jnp.bfloat16)
+                     .astype(jnp.float32), params)
   g16 = jax.tree.map(lambda g: g.astype(jnp.bfloat16), g32)
+  master, opt_state = init_master(params), fp8_adamw(1e-3).init(params)
   # interpret=True: tensors of whole blocks go through the Pallas kernel (interpreted), the
   # others through XLA; both read the BF16 payloads.
-  run = lambda g: jax.device_get(adamw_master_step(g, opt_state, state.params,
-                                                   learning_rate=1e-3, interpret=True))
-  for a, b in zip(jax.tree.leaves(run(g32)), jax.tree.leaves(run(g16)), strict=True):
+  run = lambda g: jax.device_get(adamw_master_step(g, opt_state, master, learning_rate=1e-3,
+                                                   interpret=True))
+  wide, narrow = run(g32), run(g16)
+  for a, b in zip(jax.tree.leaves(wide), jax.tree.leaves(narrow), strict=True):
     assert np.asarray(a).dtype == np.asarray(b).dtype
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  for name in params:  # both tensors moved
+    assert np.mean(np.asarray(wide[0].params[name].data)
+                   != np.asarray(master.params[name].data)) > 0.5
   with pytest.raises(ValueError, match="plain gradients must be one of .*got int8"):
-    adamw_master_step(jax.tree.map(lambda g: g.astype(jnp.int8), g32), opt_state,
-                      state.params, learning_rate=1e-3)
+    adamw_master_step(jax.tree.map(lambda g: g.astype(jnp.int8), g32), opt_state, master,
+                      learning_rate=1e-3)
 
 
 def test_decay_mask_spares_stacked_norm_gains():
