@@ -7,12 +7,27 @@ Any :class:`~fp8jax.Fp8Meta` subtree of a gradient tree is treated as FP8 state.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from fp8jax.scaling import Fp8Meta, combine_max
 
 
 def _is_fp8(x) -> bool:
   return isinstance(x, Fp8Meta)
+
+
+def widen(x):
+  """A floating array in at least f32 (gradient sums and reductions run in f32); others as
+  they are."""
+  if jnp.issubdtype(x.dtype, jnp.floating):
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  return x
+
+
+def accumulator_zeros(tree):
+  """Zeros shaped like `tree` to sum microbatch gradients into: floating leaves in at least
+  f32 whatever their compute dtype (BF16 gradients sum in f32), others in their dtype."""
+  return jax.tree.map(lambda x: jnp.zeros_like(widen(x)), tree)
 
 
 def accumulate_gradients(acc, grads):

@@ -73,6 +73,12 @@ def test_bf16_matrices_train_bit_identically(key, microbatches, fused):
 def test_plain_params_are_left_alone(key):
   """O1 (f32 params, no master weights): matrix_dtype changes nothing."""
   model, tx, _, state = _setup(fp8jax.O1)
+  # Plain params are what the step differentiates, as they are (never narrowed).
+  for a, b in zip(jax.tree.leaves(state.variables(jnp.bfloat16)),
+                  jax.tree.leaves(state.variables()), strict=True):
+    assert a is b
+  assert all(p.dtype == jnp.float32
+             for p in jax.tree.leaves(state.variables(jnp.bfloat16)["params"]))
   a = _run(make_train_step(model.apply, tx, 2), state, key, 2, n=2)
   b = _run(make_train_step(model.apply, tx, 2, matrix_dtype=jnp.bfloat16), state, key, 2, n=2)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):

@@ -43,6 +43,7 @@ from fp8jax.optim.scaled import quantize_scaled
 from fp8jax.parallel.combine import combine_options
 from fp8jax.parallel.mesh import DATA, FSDP, TENSOR
 from fp8jax.parallel.tensor import GPT_RULES, tensor_dim
+from fp8jax.params import leaf_name
 from fp8jax.train.state import TrainState
 from fp8jax.train.step import make_train_step
 
@@ -194,10 +195,6 @@ def _gather_leaf(path, x, mesh: Mesh, axes, dtype, rules: Sequence = GPT_RULES):
   return gather(x)
 
 
-def _leaf_name(path) -> str:
-  return str(getattr(path[-1], "key", path[-1])) if path else ""
-
-
 def gather_params(params, mesh: Mesh, *, fp8_kernels: bool, payload_dtype=None,
                   axes: Sequence[str] = ZERO_AXES, rules: Sequence = GPT_RULES):
   """Stage-3 forward weights: every leaf all-gathered (see the module docstring).
@@ -214,7 +211,7 @@ def gather_params(params, mesh: Mesh, *, fp8_kernels: bool, payload_dtype=None,
       return x  # not ZeRO-sharded: nothing to gather
     if not jnp.issubdtype(x.dtype, jnp.floating):
       return _gather_leaf(path, x, mesh, axes, None, rules)
-    if fp8_kernels and _leaf_name(path) == "kernel":
+    if fp8_kernels and leaf_name(path) == "kernel":
       return _gather_leaf(path, x, mesh, axes, FP8_GATHER_DTYPE, rules)
     return _gather_leaf(path, x, mesh, axes, payload_dtype, rules)
   return jax.tree_util.tree_map_with_path(one, params)

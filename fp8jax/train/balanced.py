@@ -56,7 +56,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from fp8jax.accumulate import accumulate_gradients
+from fp8jax.accumulate import accumulate_gradients, accumulator_zeros
 from fp8jax.parallel.collectives import (CommScaling, fp8_reduce_scatter_auto,
                                          fp8_reduce_scatter_tree, init_comm_scaling)
 from fp8jax.scaling import combine_max
@@ -214,9 +214,8 @@ def _local_grads(apply_fn: Callable, axes: tuple[str, ...], grad_comm: str,
     return loss_sum + loss, acc
 
   # Sums in f32 at least (ZeRO-3's gathered FP8 kernels arrive as bf16, so do their grads).
-  zeros = jax.tree.map(lambda v: jnp.zeros(v.shape, jnp.promote_types(v.dtype, jnp.float32))
-                       if jnp.issubdtype(v.dtype, jnp.floating) else jnp.zeros_like(v), variables)
-  loss_sum, acc = lax.fori_loop(0, count, one, (jnp.zeros((), jnp.float32), zeros))
+  loss_sum, acc = lax.fori_loop(0, count, one,
+                                (jnp.zeros((), jnp.float32), accumulator_zeros(variables)))
   # Every microbatch holds m x T target tokens, so weighting each microbatch's mean-loss
   # gradient by its tokens is dividing the sum by the step's microbatch count.
   total, loss_sum = lax.psum((count.astype(jnp.float32), loss_sum), axes)

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from fp8jax.params import leaf_name
 from fp8jax.scaling import Fp8Meta, fp8_max
 
 # Dense peak FLOP/s per device (vendor datasheets, without sparsity): (bf16, fp8).
@@ -67,7 +68,7 @@ def fp8_health(fp8_state, recipe) -> dict[str, float]:
   by_role: dict[str, list] = {}
 
   def visit(path, meta):
-    role = str(getattr(path[-1], "key", path[-1]))
+    role = leaf_name(path)
     by_role.setdefault(role, []).append(meta)
 
   jax.tree_util.tree_map_with_path(visit, fp8_state, is_leaf=lambda x: isinstance(x, Fp8Meta))

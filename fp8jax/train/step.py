@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fp8jax.accumulate import accumulate_gradients
+from fp8jax.accumulate import accumulate_gradients, accumulator_zeros, widen
 from fp8jax.linen import FP8_COLLECTION, apply_fp8_updates
 from fp8jax.optim import MasterWeights, apply_master_updates
 from fp8jax.train.state import TrainState
@@ -28,20 +28,6 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 def _loss(apply_fn: Callable, variables, batch):
   """batch int32[B, T+1] -> mean loss of predicting batch[:, 1:] from batch[:, :-1]."""
   return cross_entropy(apply_fn(variables, batch[:, :-1]), batch[:, 1:])
-
-
-def _widen(x):
-  """A floating array in at least f32 (gradient sums and reductions run in f32)."""
-  return x.astype(jnp.promote_types(x.dtype, jnp.float32)) \
-      if jnp.issubdtype(x.dtype, jnp.floating) else x
-
-
-def _accumulator(variables) -> dict:
-  """Zeros that microbatch gradients of `variables` are summed into: f32 (at least) for
-  floating params whatever their compute dtype; the FP8 state as it is."""
-  zeros = jax.tree.map(jnp.zeros_like, variables)
-  zeros["params"] = jax.tree.map(lambda p: jnp.zeros_like(_widen(p)), variables["params"])
-  return zeros
 
 
 def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microbatches: int = 1,
@@ -95,7 +81,7 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
   def grads(variables, batch, extra):
     loss, g = jax.value_and_grad(loss_of)(variables, batch, extra)
     if reduce_gradients is not None:
-      g = {**g, "params": reduce_gradients(jax.tree.map(_widen, g["params"]))}
+      g = {**g, "params": reduce_gradients(jax.tree.map(widen, g["params"]))}
     return loss, g
 
   def step(state: TrainState, batch):
@@ -109,7 +95,7 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
     if microbatches == 1:  # no accumulator: the gradient as it comes
       loss, g = grads(variables, batch, extra)
       if fused_update is None:  # the fused update reads narrow gradients itself
-        g = {**g, "params": jax.tree.map(_widen, g["params"])}
+        g = {**g, "params": jax.tree.map(widen, g["params"])}
       return apply_gradients(state, tx, g, loss, fused_update)
     parts = batch.reshape(microbatches, batch.shape[0] // microbatches, *batch.shape[1:])
 
@@ -119,7 +105,7 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
       return (loss_sum + loss, accumulate_gradients(acc, g)), None
 
     (loss_sum, acc), _ = jax.lax.scan(
-        body, (jnp.zeros((), jnp.float32), _accumulator(variables)), parts)
+        body, (jnp.zeros((), jnp.float32), accumulator_zeros(variables)), parts)
     acc = {**acc, "params": jax.tree.map(lambda g: g / microbatches, acc["params"])}
     return apply_gradients(state, tx, acc, loss_sum / microbatches, fused_update)
 
@@ -135,7 +121,7 @@ def apply_gradients(state: TrainState, tx: optax.GradientTransformation, grads, 
   `fused_update`: see :func:`make_train_step` (master weights only; other params raise).
   """
   param_grads = grads["params"]
-  grad_norm = optax.tree.norm(jax.tree.map(_widen, param_grads))  # summed in f32
+  grad_norm = optax.tree.norm(jax.tree.map(widen, param_grads))  # summed in f32
   fp8 = apply_fp8_updates(state.variables(), grads).get(FP8_COLLECTION, {})
   if fused_update is not None and not isinstance(state.params, MasterWeights):
     raise ValueError("fused_update needs FP16 master weights (level O2: params are "
