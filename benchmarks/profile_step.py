@@ -76,6 +76,7 @@ def main():
   p.add_argument("--steps", type=int, default=3)
   p.add_argument("--set", action="append", default=[])
   p.add_argument("--trace-dir", default=None)
+  p.add_argument("--top", type=int, default=25, help="how many of the largest kernels to list")
   p.add_argument("--dump-hlo", default=None, metavar="PATH", help="write the compiled step here")
   a = p.parse_args()
   cfg = load_config(a.config, list(a.set) + [f"train.opt_level={a.level}"])
@@ -98,7 +99,7 @@ def main():
   if not paths:
     raise SystemExit(f"no perfetto_trace.json.gz under {trace_dir}")
   print(f"{a.config} level {a.level} {' '.join(a.set)}")
-  summarize(gpu_kernels(max(paths, key=os.path.getmtime)), a.steps)
+  summarize(gpu_kernels(max(paths, key=os.path.getmtime)), a.steps, a.top)
 
 
 if __name__ == "__main__":

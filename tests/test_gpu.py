@@ -65,21 +65,35 @@ def test_native_matches_emulated_and_float64():
     assert _rel(n, ref) < 1.1 * _rel(e, ref)  # no extra error from GEMM accumulation
 
 
+def _e4m3_steps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+  """|a - b| in units of the E4M3 spacing at max(|a|, |b|) (2**(e - 3); subnormals 2**-9)."""
+  m = np.maximum(np.abs(a), np.abs(b))
+  spacing = np.exp2(np.maximum(np.floor(np.log2(np.where(m > 0, m, 1.0))), -6.0) - 3.0)
+  return np.abs(a - b) / spacing
+
+
 def test_fused_gelu_cast_kernel_compiles_and_matches_xla():
   """The Pallas kernel with activation="gelu" through Triton on the device: q_t is q
-  transposed, and q, amax match the XLA reference (XLA may skip the bf16 rounding of the
-  fused activation, so a few E4M3 roundings may differ by one step)."""
+  transposed; q differs from the XLA reference (which may keep the GELU in f32 where the
+  kernel rounds it to bf16, and whose tanh may differ in the last bits) by at most one E4M3
+  step and rarely; its error against the exact GELU in float64 is no larger than XLA's."""
   from fp8jax.kernels import cast_transpose as ct
-  x = (2 * jax.random.normal(jax.random.key(np.random.randint(1 << 30)), (4096, 2048))
-       ).astype(jnp.bfloat16)
+  seed = np.random.randint(1 << 30)
+  print("seed", seed)
+  x = (2 * jax.random.normal(jax.random.key(seed), (4096, 2048))).astype(jnp.bfloat16)
   scale = jnp.float32(0.02)
   q, q_t, amax = ct.cast_transpose_amax(x, scale, jnp.float8_e4m3fn, activation="gelu")
   rq, _, ramax = jax.jit(ct.cast_transpose_reference, static_argnums=(2, 3))(
       x, scale, jnp.float8_e4m3fn, "gelu")
   q32, rq32 = np.asarray(q, np.float32), np.asarray(rq, np.float32)
   np.testing.assert_array_equal(np.asarray(q_t, np.float32), q32.T)
-  assert np.mean(q32 != rq32) < 1e-2
-  assert np.max(np.abs(q32 - rq32)) <= 0.125 * np.max(np.abs(rq32))
+  steps = _e4m3_steps(q32, rq32)
+  assert np.max(steps) <= 1.0 and np.mean(steps > 0) < 5e-2, (np.max(steps), np.mean(steps > 0))
+  x64 = np.asarray(x, np.float64)
+  exact = 0.5 * x64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (x64 + 0.044715 * x64**3))) / 0.02
+  exact = np.clip(exact, -448.0, 448.0)
+  rel = lambda a: np.linalg.norm(a - exact) / np.linalg.norm(exact)
+  assert 5e-3 < rel(q32) <= 1.02 * rel(rq32), (rel(q32), rel(rq32))  # FP8 happened, no worse
   assert float(amax) == pytest.approx(float(ramax), rel=1e-2)
 
 
@@ -104,10 +118,13 @@ def test_saved_gemm_outputs_with_cudnn_attention_skip_its_forward():
     fprops[policy] = sum("Backward" not in t for t in targets)
     out[policy] = f(variables)
   assert fprops["full"] == 2 * fprops["save_gemm_outputs"] > 0, fprops
-  assert float(out["full"][0]) == pytest.approx(float(out["save_gemm_outputs"][0]), rel=1e-5)
+  # Same math, but XLA fuses the two programs differently (where a bf16 intermediate is
+  # rounded), and E4M3 casts turn such last-bit differences into whole-step flips: the loss
+  # agrees to FP8's level (measured 3.7e-4 relative), not bit for bit.
+  assert float(out["full"][0]) == pytest.approx(float(out["save_gemm_outputs"][0]), rel=2e-3)
   for a, b in zip(jax.tree.leaves(out["full"][1]), jax.tree.leaves(out["save_gemm_outputs"][1])):
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                               rtol=2e-2, atol=1e-3 * float(np.max(np.abs(np.asarray(a)))) + 1e-9)
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.linalg.norm(a - b) <= 3e-2 * np.linalg.norm(a) + 1e-9, a.shape
 
 
 def test_fused_update_kernel_reads_bf16_gradients_and_chunks(monkeypatch):
