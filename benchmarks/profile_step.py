@@ -51,22 +51,30 @@ def gpu_kernels(trace_path: str) -> list[tuple[str, float]]:
   gpu = {pid for pid, n in names.items() if "GPU" in n or "gpu" in n}
   if not gpu:
     print(f"no GPU process in the trace; processes: {sorted(set(names.values()))}")
-  return [(e["name"], float(e["dur"])) for e in events
+  return [(e["name"], float(e["dur"]), e.get("args", {})) for e in events
           if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e]
 
 
 def summarize(kernels, steps: int, top: int = 25) -> None:
-  by_cat, by_name = collections.Counter(), collections.Counter()
-  for name, us in kernels:
+  by_cat, by_name, calls = collections.Counter(), collections.Counter(), collections.Counter()
+  copies = []
+  for name, us, args in kernels:
     by_cat[category(name)] += us
     by_name[name] += us
+    calls[name] += 1
+    if "memcpy" in name.lower():
+      copies.append((us, args))
   total = sum(by_cat.values())
   print(f"\nGPU kernel time per step: {total / steps / 1e3:.2f} ms")
   for c, us in by_cat.most_common():
     print(f"  {c:16s} {us / steps / 1e3:9.2f} ms  {100 * us / total:5.1f}%")
-  print(f"\ntop {top} kernels (ms per step):")
+  print(f"\ntop {top} kernels (ms per step, calls per step):")
   for n, us in by_name.most_common(top):
-    print(f"  {us / steps / 1e3:8.3f}  [{category(n)}] {n[:110]}")
+    print(f"  {us / steps / 1e3:8.3f} {calls[n] / steps:6.1f}  [{category(n)}] {n[:100]}")
+  if copies:  # what the trace says about the largest device copies (sizes, where known)
+    print("\nlargest memcpy events (us, trace args):")
+    for us, args in sorted(copies, key=lambda c: -c[0])[:6]:
+      print(f"  {us:9.1f}  {str(args)[:160]}")
 
 
 def main():

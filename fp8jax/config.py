@@ -212,7 +212,7 @@ class ModelSection(_Section):
   mlp: str = _field("gelu", _one_of("gelu", "swiglu"))
   norm: str = _field("rmsnorm", _one_of("rmsnorm", "layernorm"))
   remat: bool = False
-  remat_policy: str = _field("full", _one_of("full", "save_gemm_outputs"))
+  remat_policy: str = _field("full", _one_of("full", "save_gemm_outputs", "save_gemm_io"))
   remat_save_fp8_weights: bool = True
   fuse_gelu_into_fp8_cast: bool = False
   dtype: str = _field("bfloat16", _one_of("bfloat16", "float32"))

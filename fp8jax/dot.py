@@ -8,6 +8,8 @@ The FP8 operands are the residuals, so saved activations take 1 byte per element
 weight's cast (FP8 payload, scale, amax) is tagged ``checkpoint_name(.., WEIGHT_CAST_NAME)``:
 under ``jax.checkpoint`` / ``nn.remat`` with a policy that saves that name (see
 :data:`SAVE_FP8_WEIGHTS`) the backward's recomputation reuses it instead of casting again.
+The activation's cast (its FP8 residual, scale, amax) is tagged ``INPUT_CAST_NAME`` the same
+way.
 
 With ``Recipe(fused_cast_transpose=True)`` (GPU, native FP8) activations and output gradients
 are cast by one fused kernel (:mod:`fp8jax.kernels.cast_transpose`) that also writes their
@@ -49,6 +51,10 @@ _LOGGED: set[str] = set()
 _NATIVE_OUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 # checkpoint_name of each GEMM's weight cast: FP8 payload (1 byte per weight), scale, amax.
 WEIGHT_CAST_NAME = "fp8jax_weight"
+# checkpoint_name of each GEMM's activation cast: the FP8 residual of the weight gradient
+# (q_x_t with the fused kernel), its scale and amax. Saved (model.remat_policy "save_gemm_io")
+# together with the GEMM's output, the recomputation casts no activation again.
+INPUT_CAST_NAME = "fp8jax_input_cast"
 # Remat policy that saves the weight casts and recomputes everything else.
 SAVE_FP8_WEIGHTS = jax.checkpoint_policies.save_only_these_names(WEIGHT_CAST_NAME)
 
@@ -273,6 +279,7 @@ def _fp8_matmul_fwd(x, w, meta: Fp8DotMeta, wc: WeightCast | None, cfg: _Config)
     ax = scaling.compute_amax(x, cfg.amax_axes)
     sx = scaling.scale_for_cast(meta.input, ax, r, r.fwd_format)
     qx = qx_saved = scaling.quantize(x, sx, r.fwd_format)
+  qx_saved, sx, ax = _name_cast(INPUT_CAST_NAME, qx_saved, sx, ax)
   if wc is None:
     qw, sw, aw = _name_cast(WEIGHT_CAST_NAME, *cast_weight(w, meta.kernel, r, cfg.amax_axes))
   else:  # cast once outside (an input: nothing to save or recompute)

@@ -122,9 +122,13 @@ def test_saved_gemm_outputs_with_cudnn_attention_skip_its_forward():
   # rounded), and E4M3 casts turn such last-bit differences into whole-step flips: the loss
   # agrees to FP8's level (measured 3.7e-4 relative), not bit for bit.
   assert float(out["full"][0]) == pytest.approx(float(out["save_gemm_outputs"][0]), rel=2e-3)
-  for a, b in zip(jax.tree.leaves(out["full"][1]), jax.tree.leaves(out["save_gemm_outputs"][1])):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert np.linalg.norm(a - b) <= 3e-2 * np.linalg.norm(a) + 1e-9, a.shape
+  # Gradients by norm; the new amaxes (the FP8 state's "gradient") are single maxima of
+  # tensors that differ by such flips: measured 3.4% apart, allowed 15%.
+  for part, tol in (("params", 3e-2), ("fp8_meta", 0.15)):
+    for a, b in zip(jax.tree.leaves(out["full"][1][part]),
+                    jax.tree.leaves(out["save_gemm_outputs"][1][part]), strict=True):
+      a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+      assert np.linalg.norm(a - b) <= tol * np.linalg.norm(a) + 1e-9, (part, a.shape)
 
 
 def test_fused_update_kernel_reads_bf16_gradients_and_chunks(monkeypatch):

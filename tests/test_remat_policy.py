@@ -1,5 +1,5 @@
-"""model.remat_policy="save_gemm_outputs": the recomputation runs no projection GEMM again,
-and loss and gradients are bit-identical to full remat."""
+"""model.remat_policy="save_gemm_outputs": the recomputation runs no projection GEMM again;
+"save_gemm_io": nor any FP8 activation cast; loss and gradients bit-identical to full remat."""
 import re
 
 import jax
@@ -20,31 +20,34 @@ def _grad_fn(policy: str, recipe, mlp: str):
   return jax.jit(jax.value_and_grad(loss))
 
 
-@pytest.mark.parametrize("level, mlp", [("O0", "gelu"), ("O1", "gelu"), ("O1", "swiglu")])
-def test_saved_gemm_outputs_skip_the_recomputed_gemms(key, level, mlp):
+@pytest.mark.parametrize("level, mlp, saving", [
+    ("O0", "gelu", "save_gemm_outputs"), ("O1", "gelu", "save_gemm_outputs"),
+    ("O1", "swiglu", "save_gemm_outputs"), ("O0", "gelu", "save_gemm_io"),
+    ("O1", "swiglu", "save_gemm_io")])
+def test_saved_gemm_outputs_skip_the_recomputed_gemms(key, level, mlp, saving):
   recipe = fp8jax.opt_level(level).recipe
   k1, k2 = jax.random.split(key)
   variables = init_model(CFG.replace(mlp=mlp), recipe, k1, B, T)
   batch = jax.random.randint(k2, (B, T + 1), 0, 256)
   dots, out = {}, {}
-  for policy in ("full", "save_gemm_outputs"):
+  for policy in ("full", saving):
     f = _grad_fn(policy, recipe, mlp)
     dots[policy] = len(re.findall(r"= \S+ dot\(", f.lower(variables, batch).compile().as_text()))
     out[policy] = f(variables, batch)
   # Full remat recomputes qkv, attention out and MLP in (fc_out's output is not needed by the
-  # backward); saved, none of them runs again. The attention's own dots still do.
-  assert dots["full"] - dots["save_gemm_outputs"] == 3, dots
+  # backward); saved, none of them runs again. The attention's own dots still do, except
+  # that with the inputs saved its output (P V) is no longer recomputed for out's input.
+  assert dots["full"] - dots[saving] == (3 if saving == "save_gemm_outputs" else 4), dots
   loss, grads = out["full"]
   assert np.isfinite(float(loss))
   assert float(np.abs(grads["params"]["layers"]["mlp"]["fc_out"]["kernel"]).max()) > 0
-  for a, b in zip(jax.tree.leaves(out["full"]), jax.tree.leaves(out["save_gemm_outputs"]),
-                  strict=True):
+  for a, b in zip(jax.tree.leaves(out["full"]), jax.tree.leaves(out[saving]), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_bad_remat_policy_is_refused():
   with pytest.raises(ValueError, match=r"ModelConfig.remat_policy='dots' is not allowed; use "
-                                       r"one of \['full', 'save_gemm_outputs'\]"):
+                                       r"one of \['full', 'save_gemm_outputs', 'save_gemm_io'\]"):
     CFG.replace(remat_policy="dots")
   with pytest.raises(ValueError, match=r"model.remat_policy='none' is not allowed"):
     load_config("configs/tiny.yaml", ["model.remat_policy=none"])
@@ -81,4 +84,42 @@ def test_attention_residuals_saved_by_name_skip_the_attention_forward(key):
   assert dots[False] - dots[True] == 2, dots
   assert float(jax.numpy.abs(grads[True][1]).max()) > 0
   for a, b in zip(grads[False], grads[True], strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _count(jaxpr, primitive: str) -> int:
+  """How many equations of `primitive` `jaxpr` holds, sub-jaxprs (scan, remat) included."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += eqn.primitive.name == primitive
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else [param]:
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          n += _count(sub, primitive)
+  return n
+
+
+def test_saved_gemm_io_casts_no_activation_again(key):
+  """With the fused cast kernel (Pallas' interpreter here) the backward's recomputation under
+  "save_gemm_io" runs no activation cast: one kernel call fewer per projection of the layer
+  body (qkv, out, fc_in, fc_out); same loss and gradients, bit for bit."""
+  from fp8jax.kernels import cast_transpose as ct
+  cfg = ModelConfig(d_model=128, n_layers=2, n_heads=2, d_ff=256, max_seq_len=64, remat=True)
+  recipe = fp8jax.O1.recipe.replace(fused_cast_transpose=True)
+  k1, k2 = jax.random.split(key)
+  variables = init_model(cfg, recipe, k1, 2, 64)
+  batch = jax.random.randint(k2, (2, 65), 0, 256)
+  kernels, out = {}, {}
+  with ct.interpret_anywhere():
+    for policy in ("save_gemm_outputs", "save_gemm_io"):
+      model = GPT(cfg.replace(remat_policy=policy), recipe)
+      f = jax.value_and_grad(lambda v: next_token_loss(model.apply(v, batch[:, :-1]),
+                                                       batch[:, 1:]))
+      kernels[policy] = _count(jax.make_jaxpr(f)(variables).jaxpr, "pallas_call")
+      out[policy] = jax.jit(f)(variables)
+  assert kernels["save_gemm_outputs"] - kernels["save_gemm_io"] == 4, kernels
+  assert kernels["save_gemm_io"] > 4  # the forward's casts and the gradients' casts remain
+  for a, b in zip(jax.tree.leaves(out["save_gemm_outputs"]), jax.tree.leaves(out["save_gemm_io"]),
+                  strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

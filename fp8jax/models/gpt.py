@@ -28,7 +28,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from fp8jax import FP8_COLLECTION, Recipe
-from fp8jax.dot import WEIGHT_CAST_NAME
+from fp8jax.dot import INPUT_CAST_NAME, WEIGHT_CAST_NAME
 from fp8jax.linen import (HEALTH_COLLECTION, PERTURBATIONS, WEIGHT_CAST_COLLECTION,
                           Fp8DotGeneral)
 
@@ -37,11 +37,20 @@ NORMS = ("rmsnorm", "layernorm")
 DTYPES = ("bfloat16", "float32", "float16")
 PARAM_DTYPES = ("float32", "bfloat16")
 ATTENTION_IMPLS = ("xla", "cudnn")
-REMAT_POLICIES = ("full", "save_gemm_outputs")
+REMAT_POLICIES = ("full", "save_gemm_outputs", "save_gemm_io")
 # checkpoint_names that remat_policy="save_gemm_outputs" saves: every projection's output and
-# the attention's backward residuals (causal_attention_saving_residuals).
+# the attention's backward residuals (causal_attention_saving_residuals); "save_gemm_io" also
+# every projection's input: its FP8 cast (fp8jax.dot.INPUT_CAST_NAME) with a recipe, else the
+# bf16 input itself (GEMM_INPUT_NAME).
 GEMM_OUTPUT_NAME = "fp8jax_gemm_output"
+GEMM_INPUT_NAME = "fp8jax_gemm_input"
 ATTENTION_RESIDUALS_NAME = "fp8jax_attention_residuals"
+_SAVED_NAMES = {
+    "full": (),
+    "save_gemm_outputs": (GEMM_OUTPUT_NAME, ATTENTION_RESIDUALS_NAME),
+    "save_gemm_io": (GEMM_OUTPUT_NAME, ATTENTION_RESIDUALS_NAME, GEMM_INPUT_NAME,
+                     INPUT_CAST_NAME),
+}
 _POSITIVE = ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len")
 
 
@@ -63,7 +72,11 @@ class ModelConfig:
       out, MLP in; bf16: 2 * (4D + F) bytes per token and layer, 2 * (4D + 2F) with SwiGLU),
       so no GEMM is recomputed, only norms, RoPE, the activation and the FP8 casts; with
       attention_impl="cudnn" the attention's residuals are kept too (q, k, v, output and
-      softmax statistics: ~2 * 4D bytes more), so its forward does not run again either.
+      softmax statistics: ~2 * 4D bytes more), so its forward does not run again either;
+      "save_gemm_io" also keeps every projection's input as the weight gradient reads it: its
+      FP8 cast with a recipe (3D + F bytes per token and layer), the bf16 input without one
+      (2 * (3D + F) bytes), so the recomputation casts no activation to FP8 again (it runs
+      only the norms, RoPE and the activation their backward passes need).
     remat_save_fp8_weights: with remat, keep each FP8 GEMM's weight cast from the forward
       (1 byte per weight, all layers) instead of casting the weights again in the
       recomputation (``fp8jax.dot.SAVE_FP8_WEIGHTS``); bit-identical results. No effect
@@ -153,6 +166,12 @@ def _check_float(name: str, value: Any, ok, allowed: str) -> None:
 def _saveable(y):
   """A projection's output, named for remat (see ModelConfig.remat_policy)."""
   return checkpoint_name(y, GEMM_OUTPUT_NAME)
+
+
+def _saveable_input(x, recipe: Recipe | None):
+  """A projection's bf16 input, named for remat when the GEMM is BF16 (with a recipe the FP8
+  dot names its own cast of x: fp8jax.dot.INPUT_CAST_NAME)."""
+  return checkpoint_name(x, GEMM_INPUT_NAME) if recipe is None else x
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -249,18 +268,20 @@ class Attention(nn.Module):
     # Heads first, so a tensor-parallel split of the heads is a contiguous block of the GEMM's
     # output columns (fp8jax.parallel.tensor).
     qkv = _saveable(nn.DenseGeneral((cfg.n_heads, 3, cfg.head_dim), name="qkv",
-                                    **_dense_kwargs(cfg, self.recipe, std))(x))  # [B, T, H, 3, K]
+                                    **_dense_kwargs(cfg, self.recipe, std))(
+                                        _saveable_input(x, self.recipe)))  # [B, T, H, 3, K]
     q, k, v = (qkv[:, :, :, i] for i in range(3))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     # Scores and softmax in f32 (activation x activation: no FP8), output in the compute dtype.
-    if cfg.remat and cfg.remat_policy == "save_gemm_outputs" and cfg.attention_impl == "cudnn":
+    if cfg.remat and cfg.remat_policy != "full" and cfg.attention_impl == "cudnn":
       o = _saveable(causal_attention_saving_residuals(q, k, v, cfg.attention_impl))
     else:
       o = jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                        implementation=cfg.attention_impl)
     out_std = std / np.sqrt(2 * cfg.n_layers)
     return _saveable(nn.DenseGeneral(cfg.d_model, axis=(-2, -1), name="out",
-                                     **_dense_kwargs(cfg, self.recipe, out_std))(o))
+                                     **_dense_kwargs(cfg, self.recipe, out_std))(
+                                         _saveable_input(o, self.recipe)))
 
 
 class MLP(nn.Module):
@@ -276,7 +297,8 @@ class MLP(nn.Module):
     out_std = cfg.d_ff ** -0.5 / np.sqrt(2 * cfg.n_layers)
     out_kw = _dense_kwargs(cfg, self.recipe, out_std)
     if cfg.mlp == "gelu":
-      h = _saveable(nn.Dense(cfg.d_ff, name="fc_in", **_dense_kwargs(cfg, self.recipe, std))(x))
+      h = _saveable(nn.Dense(cfg.d_ff, name="fc_in", **_dense_kwargs(cfg, self.recipe, std))(
+          _saveable_input(x, self.recipe)))
       if self.recipe is not None and cfg.fuse_gelu_into_fp8_cast:  # GELU inside the FP8 cast
         out_kw["dot_general_cls"] = functools.partial(Fp8DotGeneral, recipe=self.recipe,
                                                       lhs_activation="gelu")
@@ -284,9 +306,11 @@ class MLP(nn.Module):
         h = nn.gelu(h)
     else:  # gate and up projections fused into one GEMM: [B, T, F, 2] (F first: see qkv)
       gu = _saveable(nn.DenseGeneral((cfg.d_ff, 2), name="fc_gate_in",
-                                     **_dense_kwargs(cfg, self.recipe, std))(x))
+                                     **_dense_kwargs(cfg, self.recipe, std))(
+                                         _saveable_input(x, self.recipe)))
       h = nn.silu(gu[..., 0]) * gu[..., 1]
-    return _saveable(nn.Dense(cfg.d_model, name="fc_out", **out_kw)(h))
+    return _saveable(nn.Dense(cfg.d_model, name="fc_out", **out_kw)(
+        _saveable_input(h, self.recipe)))
 
 
 class Block(nn.Module):
@@ -355,9 +379,8 @@ class GPT(nn.Module):
 
 def remat_policy(config: ModelConfig):
   """The ``jax.checkpoint`` policy of `config`'s remat: the names it saves (None: nothing)."""
-  names = ((WEIGHT_CAST_NAME,) if config.remat_save_fp8_weights else ()) + (
-      (GEMM_OUTPUT_NAME, ATTENTION_RESIDUALS_NAME)
-      if config.remat_policy == "save_gemm_outputs" else ())
+  names = ((WEIGHT_CAST_NAME,) if config.remat_save_fp8_weights else ()) + \
+      _SAVED_NAMES[config.remat_policy]
   return jax.checkpoint_policies.save_only_these_names(*names) if names else None
 
 
