@@ -71,10 +71,16 @@ def summarize(kernels, steps: int, top: int = 25) -> None:
   print(f"\ntop {top} kernels (ms per step, calls per step):")
   for n, us in by_name.most_common(top):
     print(f"  {us / steps / 1e3:8.3f} {calls[n] / steps:6.1f}  [{category(n)}] {n[:100]}")
-  if copies:  # what the trace says about the largest device copies (sizes, where known)
-    print("\nlargest memcpy events (us, trace args):")
-    for us, args in sorted(copies, key=lambda c: -c[0])[:6]:
-      print(f"  {us:9.1f}  {str(args)[:160]}")
+  if copies:  # device copies by the HLO op that issued them (the trace's "hlo_op")
+    by_op, n_op = collections.Counter(), collections.Counter()
+    for us, args in copies:
+      by_op[args.get("hlo_op", "?")] += us
+      n_op[args.get("hlo_op", "?")] += 1
+    print("\nmemcpy by HLO op (ms per step, calls per step):")
+    for op, us in by_op.most_common(12):
+      print(f"  {us / steps / 1e3:8.3f} {n_op[op] / steps:6.1f}  {op[:100]}")
+    keys = sorted(set().union(*(a.keys() for _, a in copies)))
+    print(f"  (trace args of a copy: {keys})")
 
 
 def main():
