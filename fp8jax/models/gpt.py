@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -104,6 +105,7 @@ class ModelConfig:
   norm: str = "rmsnorm"
   remat: bool = False
   remat_policy: str = "full"
+  scan_layers: bool = True
   remat_save_fp8_weights: bool = True
   fuse_gelu_into_fp8_cast: bool = False
   dtype: str = "bfloat16"
@@ -130,7 +132,7 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.fuse_gelu_into_fp8_cast=True needs mlp='gelu', got "
                        f"mlp={self.mlp!r} (SwiGLU is not fused yet)")
     for name in ("remat", "remat_save_fp8_weights", "tie_embeddings",
-                 "fuse_gelu_into_fp8_cast"):
+                 "fuse_gelu_into_fp8_cast", "scan_layers"):
       if not isinstance(getattr(self, name), (bool, np.bool_)):
         raise ValueError(f"ModelConfig.{name}={getattr(self, name)!r} is not allowed; "
                          "use True or False")
@@ -351,11 +353,43 @@ class GPT(nn.Module):
                      embedding_init=nn.initializers.normal(0.02), name="embed")
     x = nn.Dropout(cfg.dropout_rate, deterministic=deterministic)(embed(tokens))
     rope = rope_tables(tokens.shape[1], cfg.head_dim, cfg.rope_base)
-    x, _ = self._layers(deterministic)(x, rope)
+    x = self._layer_stack(x, rope, deterministic)
     x = _norm(cfg, "norm_final")(x)
     if cfg.tie_embeddings:
       return embed.attend(x).astype(jnp.float32)
     return self._head(x)
+
+  def _layer_stack(self, x, rope, deterministic: bool):
+    """x[B, T, D] through the n_layers blocks: under nn.scan, or (``scan_layers=False``, when
+    no collection is being written) unrolled over layer slices of the same stacked variables."""
+    layers = self._layers(deterministic)
+    writing = self.is_initializing() or any(
+        self.is_mutable_collection(c) for c in (HEALTH_COLLECTION, PERTURBATIONS))
+    if self.config.scan_layers or writing:
+      return layers(x, rope)[0]
+    return self._unrolled(x, rope, deterministic)
+
+  def _unrolled(self, x, rope, deterministic: bool):
+    """The blocks as n_layers calls, each on its layer's slice of the variables nn.scan
+    created (same parameters, same math). Residuals the backward keeps are then separate
+    buffers, not layer slices of stacked ones that a scan zero-fills, writes and reads back
+    with device copies."""
+    cfg = self.config
+    stacked = {c: v["layers"] for c, v in self.variables.items()
+               if isinstance(v, Mapping) and "layers" in v}
+    block = Block(cfg, self.recipe, deterministic, parent=None)
+    dropout = not deterministic and cfg.dropout_rate > 0
+    rngs = jax.random.split(self.make_rng("dropout"), cfg.n_layers) if dropout else None
+
+    def layer(variables, x, rope, rng):
+      return block.apply(variables, x, rope, rngs={"dropout": rng} if dropout else None)[0]
+
+    if cfg.remat:  # outside a scan's loop XLA would merge the recomputation into the forward
+      layer = jax.checkpoint(layer, prevent_cse=True, policy=remat_policy(cfg))
+    for i in range(cfg.n_layers):
+      x = layer(jax.tree.map(lambda a: a[i], stacked), x, rope,
+                None if rngs is None else rngs[i])
+    return x
 
   def _layers(self, deterministic: bool) -> nn.Module:
     """The n_layers blocks under nn.scan (and nn.remat when configured)."""
