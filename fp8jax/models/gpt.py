@@ -78,6 +78,12 @@ class ModelConfig:
       FP8 cast with a recipe (3D + F bytes per token and layer), the bf16 input without one
       (2 * (3D + F) bytes), so the recomputation casts no activation to FP8 again (it runs
       only the norms, RoPE and the activation their backward passes need).
+    scan_layers: True runs the layers under ``nn.scan``; False unrolls them over layer slices
+      of the same stacked variables (same parameters), so the residuals the backward keeps
+      are separate buffers rather than slices of stacked ones (no zero-fill, no device copy
+      per residual and layer); longer compiles. Applies where no collection is written
+      (initialization and FP8-health probes keep the scan); dropout masks differ from the
+      scan's.
     remat_save_fp8_weights: with remat, keep each FP8 GEMM's weight cast from the forward
       (1 byte per weight, all layers) instead of casting the weights again in the
       recomputation (``fp8jax.dot.SAVE_FP8_WEIGHTS``); bit-identical results. No effect
