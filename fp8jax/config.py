@@ -213,8 +213,8 @@ class ModelSection(_Section):
   norm: str = _field("rmsnorm", _one_of("rmsnorm", "layernorm"))
   remat: bool = False
   remat_policy: str = _field("full", _one_of("full", "save_gemm_outputs", "save_gemm_io"))
-  remat_save_fp8_weights: bool = True
   scan_layers: bool = True
+  remat_save_fp8_weights: bool = True
   fuse_gelu_into_fp8_cast: bool = False
   dtype: str = _field("bfloat16", _one_of("bfloat16", "float32"))
   param_dtype: str = _field("float32", _one_of("float32", "bfloat16"))
