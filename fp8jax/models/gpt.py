@@ -368,11 +368,10 @@ class GPT(nn.Module):
   def _layer_stack(self, x, rope, deterministic: bool):
     """x[B, T, D] through the n_layers blocks: under nn.scan, or (``scan_layers=False``, when
     no collection is being written) unrolled over layer slices of the same stacked variables."""
-    layers = self._layers(deterministic)
     writing = self.is_initializing() or any(
         self.is_mutable_collection(c) for c in (HEALTH_COLLECTION, PERTURBATIONS))
     if self.config.scan_layers or writing:
-      return layers(x, rope)[0]
+      return self._layers(deterministic)(x, rope)[0]
     return self._unrolled(x, rope, deterministic)
 
   def _unrolled(self, x, rope, deterministic: bool):
