@@ -23,3 +23,16 @@ def rel_err(a, ref) -> float:
   ref = np.asarray(np.asarray(ref, np.float32) if np.asarray(ref).dtype != np.float64 else ref,
                    np.float64)
   return float(np.linalg.norm(a - ref) / np.linalg.norm(ref))
+
+
+def primitive_eqns(jaxpr, primitive: str):
+  """Every equation of `primitive` in `jaxpr` and its sub-jaxprs (scan, remat, custom_vjp
+  bodies), in program order."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == primitive:
+      yield eqn
+    for p in eqn.params.values():
+      for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from primitive_eqns(inner, primitive)

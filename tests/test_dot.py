@@ -7,7 +7,7 @@ import pytest
 
 import fp8jax
 import fp8jax.dot as fdot
-from conftest import rel_err
+from conftest import primitive_eqns, rel_err
 
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
 
@@ -95,14 +95,7 @@ def test_chained_calls_combine_state_by_max_not_sum(key):
 
 def _dot_eqns(jaxpr):
   """Every dot_general equation in `jaxpr` and its sub-jaxprs, in program order."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "dot_general":
-      yield eqn
-    for p in eqn.params.values():
-      for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          yield from _dot_eqns(inner)
+  return primitive_eqns(jaxpr, "dot_general")
 
 
 def _dot_operand_dtypes(jaxpr):

@@ -9,6 +9,7 @@ import pytest
 import fp8jax
 from fp8jax.config import load_config
 from fp8jax.models import GPT, ModelConfig, init_model, next_token_loss
+from conftest import primitive_eqns
 
 CFG = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=16, remat=True)
 B, T = 2, 8
@@ -87,19 +88,6 @@ def test_attention_residuals_saved_by_name_skip_the_attention_forward(key):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def _count(jaxpr, primitive: str) -> int:
-  """How many equations of `primitive` `jaxpr` holds, sub-jaxprs (scan, remat) included."""
-  n = 0
-  for eqn in jaxpr.eqns:
-    n += eqn.primitive.name == primitive
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (list, tuple)) else [param]:
-        sub = getattr(sub, "jaxpr", sub)
-        if hasattr(sub, "eqns"):
-          n += _count(sub, primitive)
-  return n
-
-
 def test_saved_gemm_io_casts_no_activation_again(key):
   """With the fused cast kernel (Pallas' interpreter here) the backward's recomputation under
   "save_gemm_io" runs no activation cast: one kernel call fewer per projection of the layer
@@ -116,7 +104,8 @@ def test_saved_gemm_io_casts_no_activation_again(key):
       model = GPT(cfg.replace(remat_policy=policy), recipe)
       f = jax.value_and_grad(lambda v: next_token_loss(model.apply(v, batch[:, :-1]),
                                                        batch[:, 1:]))
-      kernels[policy] = _count(jax.make_jaxpr(f)(variables).jaxpr, "pallas_call")
+      kernels[policy] = len(list(primitive_eqns(jax.make_jaxpr(f)(variables).jaxpr,
+                                                "pallas_call")))
       out[policy] = jax.jit(f)(variables)
   assert kernels["save_gemm_outputs"] - kernels["save_gemm_io"] == 4, kernels
   assert kernels["save_gemm_io"] > 4  # the forward's casts and the gradients' casts remain
