@@ -392,7 +392,8 @@ class GPT(nn.Module):
     if cfg.remat:  # outside a scan's loop XLA would merge the recomputation into the forward
       layer = jax.checkpoint(layer, prevent_cse=True, policy=remat_policy(cfg))
     for i in range(cfg.n_layers):
-      x = layer(jax.tree.map(lambda a: a[i], stacked), x, rope,
+      x = layer(_layer_slice(stacked, i) if GRAD_BARRIER else
+                jax.tree.map(lambda a: a[i], stacked), x, rope,
                 None if rngs is None else rngs[i])
     return x
 
@@ -414,6 +415,31 @@ class GPT(nn.Module):
     kw = _dense_kwargs(cfg, None, cfg.d_model ** -0.5)
     kw["dot_general_cls"] = _f32_out_gemm(self.recipe)
     return nn.Dense(cfg.vocab_size, name="head", **kw)(x).astype(jnp.float32)
+
+
+GRAD_BARRIER = True  # experiment switch (device A/B); removed once measured
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _layer_slice(stacked, i: int):
+  """Layer `i`'s slice of the stacked variables (leaves [L, ...] -> [...]). Its gradient
+  passes an optimization barrier before it lands in the stacked gradient, so XLA cannot fuse
+  the layer's gradient reductions (norm gains) into the one fusion that assembles them."""
+  return jax.tree.map(lambda a: a[i], stacked)
+
+
+def _layer_slice_fwd(stacked, i):
+  return _layer_slice(stacked, i), jax.tree.map(
+      lambda a: jnp.zeros((a.shape[0], 0), a.dtype), stacked)
+
+
+def _layer_slice_bwd(i, shapes, g):
+  g = lax.optimization_barrier(g)
+  return (jax.tree.map(lambda s, gi: jnp.zeros((s.shape[0],) + gi.shape, gi.dtype).at[i].set(gi),
+                       shapes, g),)
+
+
+_layer_slice.defvjp(_layer_slice_fwd, _layer_slice_bwd)
 
 
 def remat_policy(config: ModelConfig):
