@@ -25,6 +25,13 @@ for ms, calls, name in re.findall(r"^\s+([\d.]+)\s+([\d.]+)\s+\[[^\]]+\] (\S+)",
     for line in hlo:
       if re.match(rf"\s*(ROOT )?%({re.escape(name)}|{re.escape(hlo_name)}) = ", line):
         print(line.strip()[:2500])
+        for called in re.findall(r"calls=%([\w.\-]+)", line)[:1]:  # the fused computation
+          start = next(i for i, l in enumerate(hlo) if re.match(rf"%?{re.escape(called)} ", l))
+          end = next(i for i in range(start, len(hlo)) if hlo[i].startswith("}"))
+          body = hlo[start:end + 1]
+          print(f"-- {called}: {len(body)} lines")
+          for l in body[:60] + (["..."] + body[-25:] if len(body) > 85 else body[60:]):
+            print("   " + l.strip()[:400])
 PY
 prof True o0_on $S --level O0 --set model.remat_policy=save_gemm_outputs --top 12
 prof True o2_on $S --level O2 --set model.remat_policy=save_gemm_io --top 12
