@@ -13,6 +13,7 @@ import fp8jax
 from fp8jax.config import load_config
 from fp8jax.linen import HEALTH_COLLECTION
 from fp8jax.models import GPT, ModelConfig, init_model, next_token_loss
+from fp8jax.models.gpt import unstack_layers
 
 CFG = ModelConfig(d_model=64, n_layers=3, n_heads=2, d_ff=128, max_seq_len=32, remat=True,
                   remat_policy="save_gemm_outputs")
@@ -27,6 +28,25 @@ def _grad_fn(cfg: ModelConfig, recipe):
 
 def _flat(tree) -> np.ndarray:
   return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
+
+
+def test_unstack_layers_gradient_is_the_stacked_layer_gradients(key):
+  """The layer slices' gradients land in their own layer of the stacked gradient (a
+  different nonlinear function per layer, so a swapped or summed layer fails); integer
+  leaves (counters) get float0 gradients."""
+  w = jax.random.normal(key, (4, 3, 5))
+  variables = {"w": w, "count": jnp.arange(4, dtype=jnp.int32)}
+
+  def loss(v, slices):
+    return sum(jnp.sum(jnp.sin((i + 1) * s["w"])) * (s["count"] + 1)
+               for i, s in enumerate(slices(v)))
+
+  got = jax.grad(lambda v: loss(v, lambda v: unstack_layers(v, 4)), allow_int=True)(variables)
+  want = jax.grad(lambda v: loss(v, lambda v: [jax.tree.map(lambda a: a[i], v)
+                                              for i in range(4)]), allow_int=True)(variables)
+  np.testing.assert_allclose(got["w"], want["w"], rtol=1e-6)
+  assert got["count"].dtype == jax.dtypes.float0 and got["count"].shape == (4,)
+  assert [s["w"].shape for s in unstack_layers(variables, 4)] == [(3, 5)] * 4
 
 
 @pytest.mark.parametrize("remat", [False, True])

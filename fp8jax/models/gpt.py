@@ -391,15 +391,8 @@ class GPT(nn.Module):
 
     if cfg.remat:  # outside a scan's loop XLA would merge the recomputation into the forward
       layer = jax.checkpoint(layer, prevent_cse=True, policy=remat_policy(cfg))
-    if GRAD_BARRIER == "stack":
-      slices = unstack_layers(stacked, cfg.n_layers)
-    elif GRAD_BARRIER == "layer":
-      slices = [_layer_slice(stacked, i) for i in range(cfg.n_layers)]
-    else:
-      slices = [jax.tree.map(lambda a: a[i], stacked) for i in range(cfg.n_layers)]
-    for i in range(cfg.n_layers):
-      x = layer(slices[i], x, rope,
-                None if rngs is None else rngs[i])
+    for i, variables in enumerate(unstack_layers(stacked, cfg.n_layers)):
+      x = layer(variables, x, rope, None if rngs is None else rngs[i])
     return x
 
   def _layers(self, deterministic: bool) -> nn.Module:
@@ -420,31 +413,6 @@ class GPT(nn.Module):
     kw = _dense_kwargs(cfg, None, cfg.d_model ** -0.5)
     kw["dot_general_cls"] = _f32_out_gemm(self.recipe)
     return nn.Dense(cfg.vocab_size, name="head", **kw)(x).astype(jnp.float32)
-
-
-GRAD_BARRIER = "stack"  # experiment switch (device A/B): none | layer | stack
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _layer_slice(stacked, i: int):
-  """Layer `i`'s slice of the stacked variables (leaves [L, ...] -> [...]). Its gradient
-  passes an optimization barrier before it lands in the stacked gradient, so XLA cannot fuse
-  the layer's gradient reductions (norm gains) into the one fusion that assembles them."""
-  return jax.tree.map(lambda a: a[i], stacked)
-
-
-def _layer_slice_fwd(stacked, i):
-  return _layer_slice(stacked, i), jax.tree.map(
-      lambda a: jnp.zeros((a.shape[0], 0), a.dtype), stacked)
-
-
-def _layer_slice_bwd(i, shapes, g):
-  g = lax.optimization_barrier(g)
-  return (jax.tree.map(lambda s, gi: jnp.zeros((s.shape[0],) + gi.shape, gi.dtype).at[i].set(gi),
-                       shapes, g),)
-
-
-_layer_slice.defvjp(_layer_slice_fwd, _layer_slice_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

@@ -112,9 +112,6 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
   return step
 
 
-GRAD_NORM_BARRIER = False  # experiment switch (device A/B)
-
-
 def apply_gradients(state: TrainState, tx: optax.GradientTransformation, grads, loss,
                     fused_update: Callable | None = None):
   """The update half of a step: ``(new_state, {"loss", "grad_norm"})``.
@@ -124,8 +121,6 @@ def apply_gradients(state: TrainState, tx: optax.GradientTransformation, grads, 
   `fused_update`: see :func:`make_train_step` (master weights only; other params raise).
   """
   param_grads = grads["params"]
-  if GRAD_NORM_BARRIER:
-    param_grads = jax.lax.optimization_barrier(param_grads)
   grad_norm = optax.tree.norm(jax.tree.map(widen, param_grads))  # summed in f32
   fp8 = apply_fp8_updates(state.variables(), grads).get(FP8_COLLECTION, {})
   if fused_update is not None and not isinstance(state.params, MasterWeights):
