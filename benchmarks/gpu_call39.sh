@@ -1,4 +1,6 @@
 #!/usr/bin/env bash
+# Ran at commit a22dc24: the switches it sets (GRAD_BARRIER, GRAD_NORM_BARRIER) were experiment
+# switches, removed once measured; `git checkout a22dc24` to run it again.
 # Device call (1 GPU): the unrolled 1.3B step (B8, cuDNN attention; O0 saving GEMM outputs,
 # O2 saving GEMM inputs and outputs) with its layer gradients assembled three ways:
 # none (slices' transposes summed: the 20.9 ms pad-add + norm fusion of gpu_call36/38),
