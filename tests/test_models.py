@@ -112,7 +112,12 @@ def test_fp8_close_to_bf16_and_state_stacked(key):
 
 
 def test_remat_matches_no_remat(key):
-  """Remat (FP8 GEMMs, FP8 state updated in the recomputation) changes nothing."""
+  """Remat (FP8 GEMMs, FP8 state updated in the recomputation) changes nothing but rounding.
+
+  XLA fuses the recomputed forward differently, so now and then an activation rounds one
+  bf16 ulp apart and an element of an FP8 cast moves one step (191 seeds: bit-identical in
+  178; otherwise at most 0.65% per gradient in norm, embedding-only in most). A wrong scale
+  or precision in the recomputation moves every gradient by FP8's own error (3-18%)."""
   k1, k2 = jax.random.split(key)
   variables = _variables(TINY, k1)
   batch = _tokens(k2, B, T + 1)
@@ -125,8 +130,7 @@ def test_remat_matches_no_remat(key):
   assert jax.tree.all(same)  # identical FP8 state updates
   for g, g_r in zip(jax.tree.leaves(grads["params"]), jax.tree.leaves(grads_r["params"])):
     g, g_r = np.asarray(g, np.float32), np.asarray(g_r, np.float32)
-    # Bit-identical but for the bf16 embedding scatter-add, whose order may differ.
-    assert np.abs(g_r - g).max() <= 2 ** -8 * np.abs(g).max()
+    assert np.linalg.norm(g_r - g) <= 2 ** -6 * np.linalg.norm(g)
   hist = grads_r[FP8_COLLECTION]["layers"]["mlp"]["fc_in"]["Fp8DotGeneral_0"]["output_grad"]
   assert (np.asarray(hist.amax_history)[:, 0] > 0).all()  # backward recorded its amax
 
