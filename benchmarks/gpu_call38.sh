@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Ran at commit 824d625: the switches it sets (GRAD_BARRIER, GRAD_NORM_BARRIER) were experiment
-# switches, removed once measured; `git checkout 824d625` to run it again.
+# Ran at commit 824d625: the switch it sets (GRAD_BARRIER) was an experiment switch, removed
+# once measured; `git checkout 824d625` to run it again.
 # Device call (1 GPU): the unrolled 1.3B O0 step's 20.9 ms once-per-step fusion (gpu_call36):
-# its HLO (gpu_call37's question), and the step with and without an optimization barrier on
+# its HLO, and the step with and without an optimization barrier on
 # each layer's parameter gradient (fp8jax.models.gpt.GRAD_BARRIER), O0 and O2 at B8.
 set -u
 . benchmarks/gpu_env.sh

@@ -79,8 +79,6 @@ def summarize(kernels, steps: int, top: int = 25) -> None:
     print("\nmemcpy by HLO op (ms per step, calls per step):")
     for op, us in by_op.most_common(12):
       print(f"  {us / steps / 1e3:8.3f} {n_op[op] / steps:6.1f}  {op[:100]}")
-    keys = sorted(set().union(*(a.keys() for _, a in copies)))
-    print(f"  (trace args of a copy: {keys})")
 
 
 def main():

@@ -13,6 +13,7 @@ import fp8jax
 from fp8jax.config import load_config
 from fp8jax.linen import HEALTH_COLLECTION
 from fp8jax.models import GPT, ModelConfig, init_model, next_token_loss
+from fp8jax.models import gpt as gpt_module
 from fp8jax.models.gpt import unstack_layers
 
 CFG = ModelConfig(d_model=64, n_layers=3, n_heads=2, d_ff=128, max_seq_len=32, remat=True,
@@ -96,11 +97,12 @@ def test_unrolled_fp8_layers_are_as_accurate_as_the_scan(key):
   assert 0.75 < err[False] / err[True] < 1.33, err
 
 
-def test_writing_collections_and_dropout(key):
+def test_writing_collections_and_dropout(key, monkeypatch):
   """An apply that writes FP8 health runs the scan: the same logits and health values as the
   scanned model's, bit for bit, and logits close to the unrolled apply's (FP8 level: f32
   summation order flips a few E4M3 roundings). With dropout each layer draws its own mask
-  (the output differs from the deterministic one and from a second key's)."""
+  (each unrolled layer gets a different dropout key; the output differs from the
+  deterministic one and from a second key's)."""
   cfg = CFG.replace(dtype="float32", dropout_rate=0.5, scan_layers=False)
   recipe = fp8jax.O1.recipe
   k1, k2 = jax.random.split(key)
@@ -119,6 +121,17 @@ def test_writing_collections_and_dropout(key):
                                   rngs={"dropout": jax.random.key(seed)})
   assert not np.allclose(drop(0), plain) and not np.allclose(drop(0), drop(1))
   assert np.all(np.isfinite(np.asarray(drop(0))))
+  keys = []  # the dropout key each unrolled layer gets (no remat: concrete keys)
+  apply = gpt_module.Block.apply
+
+  def spy(self, *args, rngs=None, **kwargs):
+    keys.append(tuple(np.asarray(jax.random.key_data(rngs["dropout"])).ravel()))
+    return apply(self, *args, rngs=rngs, **kwargs)
+
+  monkeypatch.setattr(gpt_module.Block, "apply", spy)
+  GPT(cfg.replace(remat=False), recipe).apply(variables, tokens, deterministic=False,
+                                               rngs={"dropout": jax.random.key(0)})
+  assert len(keys) == cfg.n_layers and len(set(keys)) == cfg.n_layers, keys
 
 
 def test_scan_layers_config():

@@ -10,7 +10,9 @@ state stacked on a leading layer axis) and optionally ``nn.remat`` (which by def
 the FP8 weight casts of the forward for the backward, see ``remat_save_fp8_weights``; with
 ``remat_policy="save_gemm_outputs"`` it also keeps the projection outputs the backward needs
 and, with cuDNN attention, the attention's residuals, so only the elementwise work and the FP8
-casts are recomputed).
+casts are recomputed; ``"save_gemm_io"`` keeps the projections' input casts too). With
+``scan_layers=False`` the same stacked variables are used unrolled, one layer slice per call
+(:func:`unstack_layers`).
 
 Shapes: B batch, T sequence, D d_model, H heads, K head dim (D / H), F d_ff, V vocab.
 """
