@@ -194,12 +194,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="Dense layer shape (default: 8192^3 on GPU, 512x1024x1024 on CPU)")
   check.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
   check.set_defaults(func=cmd_check)
-  train = sub.add_parser("train", help="train the reference decoder LM from a YAML config")
+  train = sub.add_parser(
+      "train", help="train the reference decoder LM from a YAML config",
+      description="Trains the reference decoder LM as a YAML config says. Every config key is "
+                  "listed in configs/base.yaml with its default value and what it does; a "
+                  "config file names only the keys it changes.")
   train.add_argument("--config", default=None,
-                     help="YAML config, e.g. configs/tiny.yaml (default: the built-in defaults "
-                          "of fp8jax.config.Config: a 4x128 decoder on the stdlib corpus)")
+                     help="YAML config, e.g. configs/tiny.yaml (default: the built-in defaults, "
+                          "as listed in configs/base.yaml: a 4x128 decoder on the stdlib "
+                          "corpus)")
   train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                     help="override one config value (repeatable)")
+                     help="override one config value, parsed as YAML (repeatable; keys: "
+                          "configs/base.yaml)")
   train.add_argument("--no-progress", action="store_true", help="no progress bar")
   train.set_defaults(func=cmd_train)
   prof = sub.add_parser("profile", help="measure seconds per microbatch vs microbatch size on "

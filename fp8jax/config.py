@@ -2,6 +2,11 @@
 
 A config file has up to seven sections (``model``, ``data``, ``train``, ``fp8``, ``parallel``,
 ``checkpoint``, ``runtime``); every key has a default, so a file only names what it changes.
+``configs/base.yaml`` lists every key with its default and what it does (a test keeps it equal
+to these dataclasses). The ``model`` and ``fp8`` sections are derived from the objects they
+configure (``fp8jax.models.gpt.ModelConfig``, ``fp8jax.Recipe``): one key per field, same name,
+type and default unless the config says otherwise, checked by building that object. What
+depends on the optimization level is asked of its ``fp8jax.OptLevel``, never of its name.
 Every value is checked when a section is built: unknown keys (with the closest known key
 suggested), wrong types (a bool is not an int; an int is accepted for a float), out-of-range
 values and impossible combinations raise ``ValueError`` naming the key path, the value and what
@@ -24,8 +29,9 @@ from typing import Any, Callable, Iterable
 
 import yaml
 
+from fp8jax.models.gpt import ModelConfig
 from fp8jax.parallel.combine import WITHOUT_XLA_MEANING
-from fp8jax.recipe import OptLevel, Recipe, opt_level
+from fp8jax.recipe import LEVELS, OptLevel, Recipe, format_name, opt_level
 
 # Features that are not built yet: (key path, values that work now, what the other values need).
 # A value outside the second column is refused. Remove the line when the feature lands.
@@ -88,12 +94,15 @@ def _short(value: Any, limit: int = 80) -> str:
   return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string",
+               dict: "a mapping", type(None): "null"}
+
+
 def _describe(tp) -> str:
-  """Words for one allowed type."""
+  """Words for one allowed type (a section, or a key of _TYPE_WORDS)."""
   if dataclasses.is_dataclass(tp):
     return f"a mapping with keys {', '.join(f.name for f in dataclasses.fields(tp))}"
-  return {int: "an integer", float: "a number", bool: "true or false", str: "a string",
-          dict: "a mapping", type(None): "null"}[tp]
+  return _TYPE_WORDS[tp]
 
 
 def _options(tp) -> tuple:
@@ -197,43 +206,98 @@ def _fail(message: str) -> None:
   raise ValueError(message)
 
 
+def _levels(test: Callable[[OptLevel], bool]) -> str:
+  """The names of the levels passing `test`, as words: "O2", "O1, O2 or O3"."""
+  names = [name for name, level in LEVELS.items() if test(level)]
+  return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+# ----------------------------------------------------------------------------- derived sections
+
+class _Mirror(_Section):
+  """A section made by :func:`_mirror`: the fields of `_target` (names in `_mirrored`), checked
+  by building a `_target` from them, plus any keys of the section's own."""
+  _target = None
+  _mirrored = ()
+
+  def _check(self):
+    self._build()
+
+  def _build(self):
+    """The `_target` these fields describe; its ValueError reworded with key paths."""
+    values = {name: getattr(self, name) for name in self._mirrored}
+    try:
+      return self._target(**values)
+    except ValueError as e:
+      raise ValueError(_reworded(str(e), self._target.__name__, self._path, values)) from None
+
+
+def _reworded(message: str, target: str, path: str, values: dict) -> str:
+  """`target`'s error message in config words: "ModelConfig.d_model=130 ... n_heads=4" becomes
+  "model.d_model=130 ... model.n_heads=4"; a message about the whole object starts "model:",
+  and keys it names without their value get it appended, e.g. "(model.d_model=132)"."""
+  message = message.replace(f"{target}.", f"{path}.")
+  names = "|".join(map(re.escape, values))
+  message = re.sub(rf"(?<![\w./])({names})=", rf"{path}.\1=", message)
+  message = re.sub(rf"^{re.escape(target)}\b:? ?", f"{path}: ", message)
+  bare = [name for name in values
+          if re.search(rf"\b{re.escape(name)}\b", message) and f"{path}.{name}=" not in message]
+  if bare:
+    message += f" ({', '.join(f'{path}.{name}={values[name]!r}' for name in bare)})"
+  return message
+
+
+def _mirror(target, path: str, *, skip=(), by_name=None, defaults=None, rules=None):
+  """A frozen section base class with one key per field of dataclass `target` (same name,
+  order, type and default), so that a field added to `target` is a config key with no edit
+  here. The section checks its values by building a `target` (:class:`_Mirror`).
+
+  Args:
+    skip: fields of `target` that are not config keys.
+    by_name: {field: function}: fields given by name in YAML (a string); the function names
+      `target`'s default (e.g. an FP8 dtype -> "e4m3").
+    defaults: {field: value}: config defaults that differ from `target`'s.
+    rules: {field: _Rule}: value rules the config adds to `target`'s own checks.
+  """
+  by_name, defaults, rules = by_name or {}, defaults or {}, rules or {}
+  hints = typing.get_type_hints(target)
+  fields = []
+  for f in dataclasses.fields(target):
+    if f.name in skip:
+      continue
+    if f.default is dataclasses.MISSING:
+      raise TypeError(f"{target.__name__}.{f.name} has no plain default; a config key needs one")
+    tp, default = hints[f.name], f.default
+    if f.name in by_name:
+      tp, default = str, by_name[f.name](default)
+    if any(option not in _TYPE_WORDS for option in _options(tp)):
+      raise TypeError(f"{target.__name__}.{f.name}: {tp} is not a YAML type "
+                      f"({', '.join(t.__name__ for t in _TYPE_WORDS)}); give it `by_name`")
+    fields.append((f.name, tp, _field(defaults.get(f.name, default), rules.get(f.name))))
+  unknown = (set(by_name) | set(defaults) | set(rules)) - {name for name, _, _ in fields}
+  if unknown:
+    raise TypeError(f"{target.__name__} has no config field {sorted(unknown)}")
+  return dataclasses.make_dataclass(
+      f"_{target.__name__}Keys", fields, bases=(_Mirror,), frozen=True,
+      namespace={"__module__": __name__, "_path": path, "_target": target,
+                 "_mirrored": tuple(name for name, _, _ in fields)})
+
+
 # ----------------------------------------------------------------------------- sections
 
 @dataclasses.dataclass(frozen=True)
-class ModelSection(_Section):
-  """Decoder shape; its fields are exactly ``fp8jax.models.gpt.ModelConfig``'s."""
-  _path = "model"
-  vocab_size: int = _field(256, _ge(1))
-  d_model: int = _field(128, _ge(1))
-  n_layers: int = _field(4, _ge(1))
-  n_heads: int = _field(4, _ge(1))
-  d_ff: int = _field(512, _ge(1))
-  max_seq_len: int = _field(128, _ge(1))
-  mlp: str = _field("gelu", _one_of("gelu", "swiglu"))
-  norm: str = _field("rmsnorm", _one_of("rmsnorm", "layernorm"))
-  remat: bool = False
-  remat_policy: str = _field("full", _one_of("full", "save_gemm_outputs", "save_gemm_io"))
-  scan_layers: bool = True
-  remat_save_fp8_weights: bool = True
-  fuse_gelu_into_fp8_cast: bool = False
-  dtype: str = _field("bfloat16", _one_of("bfloat16", "float32"))
-  param_dtype: str = _field("float32", _one_of("float32", "bfloat16"))
-  tie_embeddings: bool = False
-  rope_base: float = _field(10000.0, _ge(1))
-  dropout_rate: float = _field(0.0, _between(0, 1, hi_open=True))
-  attention_impl: str = _field("xla", _one_of("xla", "cudnn"))
+class ModelSection(_mirror(
+    ModelConfig, "model",
+    # The config's default run is the tiny CPU one (configs/tiny.yaml): 128 wide, 128 tokens.
+    defaults={"d_model": 128, "d_ff": 512, "max_seq_len": 128},
+    # Training has no loss scaling, which float16 activations would need.
+    rules={"dtype": _one_of("bfloat16", "float32")})):
+  """Decoder shape and numerics: one key per field of ``fp8jax.models.gpt.ModelConfig``
+  (its docstring says what each does), checked by ``ModelConfig`` itself."""
 
-  def _check(self):
-    if self.d_model % self.n_heads:
-      _fail(f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
-            f"use a d_model that is a multiple of n_heads")
-    head_dim = self.d_model // self.n_heads
-    if head_dim % 2:
-      _fail(f"model.d_model={self.d_model} / model.n_heads={self.n_heads} gives head dim "
-            f"{head_dim}; RoPE needs an even head dim")
-    if self.fuse_gelu_into_fp8_cast and self.mlp != "gelu":
-      _fail(f"model.fuse_gelu_into_fp8_cast=True needs model.mlp='gelu', got "
-            f"model.mlp={self.mlp!r} (SwiGLU is not fused yet); set it false")
+  def model_config(self) -> ModelConfig:
+    """The ``ModelConfig`` these settings describe."""
+    return self._build()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,7 +337,7 @@ class TrainSection(_Section):
   """Optimization: level, steps, batch (sequences per optimizer step, split into
   `microbatches`), AdamW with linear warmup then cosine decay to `min_lr_ratio` x peak."""
   _path = "train"
-  opt_level: str = _field("O1", _one_of("O0", "O1", "O2", "O3"))
+  opt_level: str = _field("O1", _one_of(*LEVELS))  # fp8jax.LEVELS
   steps: int = _field(200, _ge(1))
   batch_size: int = _field(16, _ge(1))
   microbatches: int = _field(1, _ge(1))
@@ -291,16 +355,19 @@ class TrainSection(_Section):
   log_every: int = _field(10, _ge(1))
   fp8_health_every: int = _field(50, _ge(0))  # FP8 cast-health probe; 0 disables
   seed: int = _field(0, _ge(0))
-  # O2 on one device: the AdamW + FP16-master update as one kernel per tensor
-  # (fp8jax.optim.fused; benchmarks/RESULTS.md "Optimizer update"). auto: on for O2 runs
-  # on one GPU, off elsewhere; true refuses runs it cannot serve.
+  # The AdamW + FP16-master update as one kernel per tensor on one device, at the levels
+  # whose OptLevel.fused_update is true (O2) (fp8jax.optim.fused; benchmarks/RESULTS.md
+  # "Optimizer update"). auto: on for such runs on one GPU, off elsewhere; true refuses runs it
+  # cannot serve.
   fused_optimizer: bool | str = _field("auto", _Rule(
       lambda v: isinstance(v, bool) or v == "auto", "true, false or 'auto'"))
 
   def _check(self):
-    if self.fused_optimizer is True and self.opt_level != "O2":
+    if self.fused_optimizer is True and not self.level.fused_update:
+      fused = _levels(lambda level: level.fused_update)
       _fail(f"train.fused_optimizer=True needs FP16 master weights on one device, i.e. "
-            f"train.opt_level O2, not {self.opt_level!r}; use O2 or fused_optimizer false")
+            f"train.opt_level {fused}, not {self.opt_level!r}; use {fused} or "
+            f"fused_optimizer false")
     if self.batch_size % self.microbatches:
       divisors = [d for d in range(1, self.batch_size + 1) if self.batch_size % d == 0]
       _fail(f"train.microbatches={self.microbatches} does not divide "
@@ -310,26 +377,27 @@ class TrainSection(_Section):
             f"use warmup_steps <= steps")
 
   @property
+  def level(self) -> OptLevel:
+    """The ``fp8jax.OptLevel`` named by `opt_level` (with the library's recipe;
+    :meth:`Config.level` has the configured one)."""
+    return opt_level(self.opt_level)
+
+  @property
   def microbatch_size(self) -> int:
     """Sequences per microbatch (fixed for the whole run, ramp or not)."""
     return self.batch_size // self.microbatches
 
 
 @dataclasses.dataclass(frozen=True)
-class Fp8Section(_Section):
-  """FP8 recipe of the GEMMs (levels O1..O3; O0 ignores it). Checked by ``Recipe`` itself."""
-  _path = "fp8"
-  fwd_format: str = "e4m3"
-  bwd_format: str = "e5m2"
-  amax_history_len: int = 16
-  amax_compute_algo: str = "max"
-  margin: int = 0
-  scaling: str = "delayed"
-  power_of_two_scales: bool = False
-  bwd_fast_accumulation: bool = False
-  # On by default in training (Recipe's default is off): the kernel runs where it can (one
-  # GPU, native FP8), XLA casts elsewhere, same values.
-  fused_cast_transpose: bool = True
+class Fp8Section(_mirror(
+    Recipe, "fp8", skip=("calibrated",),  # the Trainer's, from `calibrate` below
+    by_name={"fwd_format": format_name, "bwd_format": format_name},
+    # On in training (Recipe's default is off): the kernel runs where it can (one GPU, native
+    # FP8), XLA casts elsewhere, same values.
+    defaults={"fused_cast_transpose": True})):
+  """FP8 recipe of the GEMMs (levels with FP8 GEMMs; O0 ignores it): one key per field of
+  ``fp8jax.Recipe`` but `calibrated`, checked by ``Recipe`` itself, plus the Trainer's
+  `calibrate` and `cast_weights_once`."""
   # The Trainer's first step casts never-observed FP8 states just in time; later steps use
   # Recipe(calibrated=True) (each amax fused into its cast). auto: when FP8 GEMMs are native.
   calibrate: str = _field("auto", _one_of("auto", "always", "never"))
@@ -338,17 +406,9 @@ class Fp8Section(_Section):
   # not with device_map / FP8 gradient communication). Bit-identical either way.
   cast_weights_once: bool = True
 
-  def _check(self):
-    try:
-      self.recipe()
-    except ValueError as e:
-      raise ValueError(str(e).replace("Recipe.", "fp8.", 1)) from None
-
   def recipe(self) -> Recipe:
     """The ``fp8jax.Recipe`` these settings describe (uncalibrated: see ``calibrate``)."""
-    fields = dataclasses.asdict(self)
-    del fields["calibrate"], fields["cast_weights_once"]
-    return Recipe(**fields)
+    return self._build()
 
 
 _MESH_SIZE = _Rule(lambda v: v == -1 or v >= 1, "an integer >= 1, or -1 (fill the devices)")
@@ -357,8 +417,9 @@ _MESH_SIZE = _Rule(lambda v: v == -1 or v >= 1, "an integer >= 1, or -1 (fill th
 @dataclasses.dataclass(frozen=True)
 class ParallelSection(_Section):
   """Sharding and parallelism (DeepSpeed's names; ``fp8jax.parallel``). Mesh axes data x
-  fsdp x tensor (one size may be -1: the devices left); ZeRO stage 0..3 (level O3 uses at
-  least 1); `offload_optimizer` keeps the optimizer state in host memory (needs a stage)."""
+  fsdp x tensor (one size may be -1: the devices left); ZeRO stage 0..3 (a level may raise
+  it: :meth:`Config.zero_stage`); `offload_optimizer` keeps the optimizer state in host memory
+  (needs a stage)."""
   _path = "parallel"
   zero_stage: int = _field(0, _one_of(0, 1, 2, 3))
   offload_optimizer: bool = False
@@ -477,8 +538,9 @@ class Config(_Section):
             f"(data.source={self.data.source!r}); use vocab_size >= {BYTE_VOCAB}")
 
   def zero_stage(self) -> int:
-    """The ZeRO stage the run uses: parallel.zero_stage, at least the level's (O3: 1)."""
-    return max(self.parallel.zero_stage, opt_level(self.train.opt_level).zero_stage)
+    """The ZeRO stage the run uses: parallel.zero_stage, at least the level's
+    (``OptLevel.zero_stage_for``; O3: 1)."""
+    return self.train.level.zero_stage_for(self.parallel.zero_stage)
 
   def _check_tensor_parallel(self):
     tp = self.parallel.tensor_parallel_size
@@ -518,9 +580,9 @@ class Config(_Section):
     if p.grad_comm != "fp8":
       return
     why = None
-    if self.train.opt_level == "O0":
-      why = ("train.opt_level=O0 (the BF16 baseline communicates in its own dtype); use "
-             "level O1, O2 or O3")
+    if not self.train.level.fp8_gemms:
+      why = (f"train.opt_level={self.train.opt_level} (BF16 GEMMs: the baseline communicates "
+             f"in its own dtype); use level {_levels(lambda level: level.fp8_gemms)}")
     elif p.tensor_parallel_size != 1:
       why = (f"parallel.tensor_parallel_size={p.tensor_parallel_size} (the FP8 gradient step "
              f"replicates the weights in each data-parallel group); use 1")
@@ -550,7 +612,8 @@ class Config(_Section):
             "(the balanced step keeps the optimizer state on the devices); drop one of them")
     if self.parallel.offload_optimizer and self.zero_stage() == 0:
       _fail("parallel.offload_optimizer=True is not allowed with parallel.zero_stage=0 at "
-            f"train.opt_level={self.train.opt_level}; use zero_stage 1, 2 or 3 (or level O3)")
+            f"train.opt_level={self.train.opt_level}; use zero_stage 1, 2 or 3 (or level "
+            f"{_levels(lambda level: level.zero_stage > 0)})")
 
   def _check_ramp(self):
     """Ramp rule: the microbatch shape is fixed (train.batch_size / train.microbatches
@@ -589,8 +652,8 @@ class Config(_Section):
 
   def level(self) -> OptLevel:
     """The ``fp8jax`` opt level of train.opt_level, its recipe taken from the fp8 section."""
-    lvl = opt_level(self.train.opt_level)
-    return lvl if lvl.recipe is None else dataclasses.replace(lvl, recipe=self.fp8.recipe())
+    lvl = self.train.level
+    return dataclasses.replace(lvl, recipe=self.fp8.recipe()) if lvl.fp8_gemms else lvl
 
 
 def _get(cfg: Config, path: str) -> Any:

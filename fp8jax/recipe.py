@@ -116,7 +116,8 @@ class OptLevel:
     grad_comm_dtype: dtype weight gradients travel in between devices.
     master_dtype: dtype of master weights (O2/O3 keep FP16 with a per-tensor scale).
     mu_dtype, nu_dtype: Adam first/second moment storage dtypes.
-    zero_stage: default ZeRO stage (O3 shards; others use the configured stage).
+    zero_stage: lowest ZeRO stage the level runs at (O3: 1, it always shards; the others
+      run at the configured stage). Ask :meth:`zero_stage_for` for a run's stage.
   The fields after `recipe` are consumed by the optimizer and parallel packages; until
   those land they only describe the level.
   """
@@ -131,8 +132,33 @@ class OptLevel:
 
   @property
   def fp8_gemms(self) -> bool:
-    """True when the level's GEMMs run in FP8."""
+    """True when the level's GEMMs run in FP8 (then its weight gradients are FP8 too and
+    may travel between devices in FP8); False: BF16 GEMMs (O0)."""
     return self.recipe is not None
+
+  @property
+  def scaled_master(self) -> bool:
+    """True when master weights are stored narrower than f32 (`master_dtype`, FP16) with a
+    per-tensor scale (``fp8jax.optim.master``); False: plain f32 parameters (O0, O1)."""
+    return np.dtype(self.master_dtype).itemsize < 4
+
+  @property
+  def scaled_moments(self) -> bool:
+    """True when Adam's moments are stored narrower than f32 (`mu_dtype` / `nu_dtype` with a
+    scale, ``fp8jax.optim.adamw``); False: f32 moments (optax's AdamW)."""
+    return np.dtype(self.mu_dtype).itemsize < 4 or np.dtype(self.nu_dtype).itemsize < 4
+
+  @property
+  def fused_update(self) -> bool:
+    """True when the one-kernel AdamW + master-weight update (``fp8jax.optim.fused``) can
+    serve this level: scaled master weights and moments, and no sharding the level itself
+    asks for (the kernel runs on unsharded arrays). O2 only."""
+    return self.scaled_master and self.scaled_moments and self.zero_stage == 0
+
+  def zero_stage_for(self, configured: int) -> int:
+    """The ZeRO stage a run at this level uses when `configured` (0..3) is asked for: at
+    least the level's own `zero_stage`."""
+    return max(configured, self.zero_stage)
 
 
 O0 = OptLevel("O0", None, jnp.bfloat16, jnp.float32, jnp.float32, jnp.float32)
@@ -140,6 +166,12 @@ O1 = OptLevel("O1", Recipe(), E4M3, jnp.float32, jnp.float32, jnp.float32)
 O2 = OptLevel("O2", Recipe(), E4M3, jnp.float16, E4M3, jnp.float16)
 O3 = OptLevel("O3", Recipe(), E4M3, jnp.float16, E4M3, jnp.float16, zero_stage=1)
 LEVELS = {lvl.name: lvl for lvl in (O0, O1, O2, O3)}
+
+
+def format_name(dtype: Any) -> str:
+  """The short name ("e4m3", "e5m2") that :class:`Recipe` accepts for FP8 type `dtype`."""
+  names = {np.dtype(v): k for k, v in _FORMAT_NAMES.items()}
+  return names[np.dtype(dtype)]
 
 
 def opt_level(name: str) -> OptLevel:

@@ -1,18 +1,24 @@
-"""Config: shipped files load, YAML round trip, overrides, and one test per kind of mistake."""
+"""Config: shipped files load, base.yaml lists every default, sections derived from the
+objects they configure, level rules asked of the OptLevel, YAML round trip, overrides, and one
+test per kind of mistake."""
 import dataclasses
 import glob
 import os
+import re
 
 import pytest
+import yaml
 
-from fp8jax import Recipe
+from fp8jax import LEVELS, Recipe
 from fp8jax.config import (NOT_BUILT_YET, BatchRamp, Config, Fp8Section, ModelSection,
-                           config_from_dict,
-                           config_to_dict, load_config, save_config)
+                           config_from_dict, config_to_dict, load_config, save_config)
+from fp8jax.models.gpt import ModelConfig
+from fp8jax.recipe import format_name
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 SHIPPED = sorted(glob.glob(os.path.join(CONFIGS, "*.yaml")))
 TINY = os.path.join(CONFIGS, "tiny.yaml")
+BASE = os.path.join(CONFIGS, "base.yaml")
 
 
 def _error(overrides, path=None) -> str:
@@ -30,14 +36,15 @@ def _write(tmp_path, text: str) -> str:
 
 def test_shipped_configs_are_there():
   names = {os.path.basename(p) for p in SHIPPED}
-  assert {"tiny.yaml", "gpt_125m.yaml", "gpt_1_3b.yaml", "gpt_7b.yaml"} <= names
+  assert {"base.yaml", "tiny.yaml", "gpt_125m.yaml", "gpt_1_3b.yaml", "gpt_7b.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=os.path.basename)
 def test_shipped_config_loads(path):
   cfg = load_config(path)
   stem = os.path.splitext(os.path.basename(path))[0]
-  assert cfg.runtime.name == stem and cfg.runtime.run_path == f"runs/{stem}"
+  if path != BASE:  # base.yaml spells out runtime.name's default too
+    assert cfg.runtime.name == stem and cfg.runtime.run_path == f"runs/{stem}"
   assert cfg.data.seq_len <= cfg.model.max_seq_len
 
 
@@ -66,19 +73,90 @@ def test_defaults():
   assert cfg.fp8.cast_weights_once is True
 
 
-def test_fp8_section_mirrors_every_recipe_field():
-  """Every Recipe field but `calibrated` (set by the Trainer), plus the Trainer's own
-  `calibrate` and `cast_weights_once`."""
-  recipe_fields = [f.name for f in dataclasses.fields(Recipe) if f.name != "calibrated"]
-  assert [f.name for f in dataclasses.fields(Fp8Section)] == recipe_fields + [
+def _same(a, b) -> bool:
+  """a == b with the same types all the way down (1 is not 1.0, True is not 1)."""
+  if isinstance(a, dict) and isinstance(b, dict):
+    return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+  return type(a) is type(b) and a == b
+
+
+def _differences(got, want, path=""):
+  """Key paths where nested dicts `got` and `want` differ (missing, extra, value or type)."""
+  if not (isinstance(got, dict) and isinstance(want, dict)):
+    return [] if _same(got, want) else [f"{path}: {got!r} != default {want!r}"]
+  out = [f"{path}.{k}: extra key" for k in got.keys() - want.keys()]
+  out += [f"{path}.{k}: missing" for k in want.keys() - got.keys()]
+  for k in got.keys() & want.keys():
+    out += _differences(got[k], want[k], f"{path}.{k}" if path else k)
+  return out
+
+
+def test_base_yaml_is_every_default():
+  """configs/base.yaml lists every key of every section, each with its default value (and
+  type), in the dataclasses' order, and nothing else."""
+  with open(BASE, encoding="utf-8") as f:
+    data = yaml.safe_load(f)
+  defaults = config_to_dict(Config())
+  assert not _differences(data, defaults), _differences(data, defaults)
+  assert list(data) == list(defaults)
+  assert all(list(data[s]) == list(defaults[s]) for s in defaults)
+  assert load_config(BASE) == Config()
+
+
+def test_base_yaml_says_what_every_key_does():
+  with open(BASE, encoding="utf-8") as f:
+    lines = f.read().splitlines()
+  keys = [line for line in lines if re.match(r"\s+\w+:", line)]
+  assert len(keys) == sum(len(s) for s in config_to_dict(Config()).values())
+  for line in keys:
+    assert re.search(r"#\s*\S{2,}", line), f"no comment: {line!r}"
+  assert all(len(line) <= 100 for line in lines)
+
+
+def test_model_section_is_model_config():
+  """One key per ModelConfig field, with its type and default except the config's own
+  defaults (the tiny CPU run); the values are checked by ModelConfig itself."""
+  own_defaults = {"d_model": 128, "d_ff": 512, "max_seq_len": 128}
+  section = {f.name: f for f in dataclasses.fields(ModelSection)}
+  assert list(section) == [f.name for f in dataclasses.fields(ModelConfig)]
+  for f in dataclasses.fields(ModelConfig):
+    assert section[f.name].default == own_defaults.get(f.name, f.default), f.name
+  assert ModelSection().model_config() == ModelConfig(**own_defaults)
+  assert ModelConfig(**dataclasses.asdict(ModelSection())) == ModelSection().model_config()
+  cfg = load_config(TINY, ["model.mlp=swiglu", "model.remat=true"])
+  assert cfg.model.model_config() == ModelConfig(**dataclasses.asdict(cfg.model))
+
+
+def test_fp8_section_is_recipe():
+  """Every Recipe field but `calibrated` (set by the Trainer) with Recipe's default (formats
+  by name; fused_cast_transpose on in training), plus the Trainer's own `calibrate` and
+  `cast_weights_once`."""
+  recipe_fields = [f for f in dataclasses.fields(Recipe) if f.name != "calibrated"]
+  assert [f.name for f in dataclasses.fields(Fp8Section)] == [f.name for f in recipe_fields] + [
       "calibrate", "cast_weights_once"]
+  section = Fp8Section()
+  for f in recipe_fields:
+    want = {"fwd_format": format_name(Recipe.fwd_format),
+            "bwd_format": format_name(Recipe.bwd_format),
+            "fused_cast_transpose": True}.get(f.name, f.default)
+    assert getattr(section, f.name) == want, f.name
+  assert (section.fwd_format, section.bwd_format) == ("e4m3", "e5m2")
+  assert Fp8Section(bwd_format="e4m3", scaling="current").recipe() == Recipe(
+      bwd_format="e4m3", scaling="current", fused_cast_transpose=True)
 
 
-def test_model_section_matches_model_config_fields():
-  from fp8jax.models.gpt import ModelConfig
-  names = [f.name for f in dataclasses.fields(ModelSection)]
-  assert names == [f.name for f in dataclasses.fields(ModelConfig)]
-  ModelConfig(**dataclasses.asdict(ModelSection()))  # converts as the trainer does
+@pytest.mark.parametrize("item,expected", [
+    ("model.n_layers=0", "model.n_layers=0 is not allowed; use an integer >= 1"),
+    ("model.rope_base=1", "model.rope_base=1.0 is not allowed; use a number > 1"),
+    ("model.attention_impl=flash", "model.attention_impl='flash' is not allowed; use one of "
+                                   "['xla', 'cudnn']"),
+    ("model.dtype=float16", "model.dtype='float16' is not allowed; use one of ['bfloat16', "),
+    ("fp8.fwd_format=e5m2", "fp8.fwd_format='e5m2' is not allowed; use one of 'e4m3'"),
+    ("fp8.amax_compute_algo=mean", "fp8.amax_compute_algo='mean' is not allowed; use one of "),
+])
+def test_derived_sections_word_errors_as_key_paths(item, expected):
+  msg = _error([item])
+  assert expected in msg and "ModelConfig" not in msg and "Recipe." not in msg
 
 
 def test_round_trip(tmp_path):
@@ -172,7 +250,10 @@ def test_out_of_range(item, expected):
 @pytest.mark.parametrize("items,expected", [
     (["train.microbatches=3"], "train.microbatches=3 does not divide train.batch_size=16"),
     (["model.d_model=130"], "model.d_model=130 is not divisible by model.n_heads=4"),
-    (["model.d_model=132", "model.n_heads=4"], "gives head dim 33; RoPE needs an even head dim"),
+    (["model.d_model=132", "model.n_heads=4"], "model: head dim d_model/n_heads=33 is odd; "
+     "RoPE needs an even head dim (model.d_model=132, model.n_heads=4)"),
+    (["model.fuse_gelu_into_fp8_cast=true", "model.mlp=swiglu"],
+     "model.fuse_gelu_into_fp8_cast=True needs model.mlp='gelu', got model.mlp='swiglu'"),
     (["data.seq_len=256"], "data.seq_len=256 is larger than model.max_seq_len=128"),
     (["train.warmup_steps=500"], "train.warmup_steps=500 is larger than train.steps=200"),
     (["model.vocab_size=100"], "model.vocab_size=100 is too small for byte-level text"),
@@ -240,3 +321,40 @@ def test_level_takes_recipe_from_fp8_section():
   assert cfg.level().recipe == Recipe(amax_history_len=4, power_of_two_scales=True,
                                      fused_cast_transpose=True)
   assert load_config(None, ["train.opt_level=O0"]).level().recipe is None
+
+
+def test_level_facts():
+  """DESIGN.md's level table, as the OptLevel properties the config asks."""
+  facts = {name: (lvl.fp8_gemms, lvl.scaled_master, lvl.scaled_moments, lvl.fused_update,
+                  [lvl.zero_stage_for(z) for z in range(4)]) for name, lvl in LEVELS.items()}
+  assert facts == {
+      "O0": (False, False, False, False, [0, 1, 2, 3]),
+      "O1": (True, False, False, False, [0, 1, 2, 3]),
+      "O2": (True, True, True, True, [0, 1, 2, 3]),
+      "O3": (True, True, True, False, [1, 1, 2, 3]),
+  }
+
+
+@pytest.mark.parametrize("level", sorted(LEVELS))
+def test_level_rules_follow_the_level(level):
+  lvl = LEVELS[level]
+  cfg = load_config(None, [f"train.opt_level={level}"])
+  assert cfg.train.level is lvl and cfg.zero_stage() == lvl.zero_stage_for(0)
+  assert (cfg.level().recipe is not None) == lvl.fp8_gemms
+  fused = [f"train.opt_level={level}", "train.fused_optimizer=true"]
+  if lvl.fused_update:
+    assert load_config(None, fused).train.fused_optimizer is True
+  else:
+    assert (f"train.fused_optimizer=True needs FP16 master weights on one device, i.e. "
+            f"train.opt_level O2, not {level!r}") in _error(fused)
+  fp8_comm = [f"train.opt_level={level}", "parallel.grad_comm=fp8"]
+  if lvl.fp8_gemms:
+    assert load_config(None, fp8_comm).grad_comm() == "fp8"
+  else:
+    assert (f"parallel.grad_comm='fp8' is not supported with train.opt_level={level} "
+            f"(BF16 GEMMs") in _error(fp8_comm)
+  offload = [f"train.opt_level={level}", "parallel.offload_optimizer=true"]
+  if lvl.zero_stage:
+    assert load_config(None, offload).zero_stage() == lvl.zero_stage
+  else:
+    assert "use zero_stage 1, 2 or 3 (or level O3)" in _error(offload)
