@@ -19,18 +19,21 @@ jitted ``shard_map`` timed side by side in one process: median of --iters calls 
 Prints ms, ratio to BF16 psum_scatter (f32 in), the payload type each variant's compiled HLO
 moves, and for the smallest size the error of each variant against a float64 host reference.
 
-  XLA_FLAGS=--xla_gpu_enable_triton_gemm=false NCCL_NVLS_ENABLE=0 python benchmarks/collectives_gpu.py
-  python benchmarks/collectives_gpu.py --cpu        # 8 CPU devices, small sizes
+  source benchmarks/gpu_env.sh && python benchmarks/comm/reduce_scatter.py --budget-s 110
+  python benchmarks/comm/reduce_scatter.py --cpu        # 8 CPU devices, small sizes
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import re
 import sys
 import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def _args():

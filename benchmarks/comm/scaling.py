@@ -1,11 +1,12 @@
 """Scaling run: O0 vs O2 vs O3 at ZeRO 1 and 3 over 1, 2, ... 8 GPUs, then the largest
 microbatch each of O0 and O3 fits, with the cost model's prediction beside every row.
 
-  python benchmarks/scaling_gpu.py --config configs/gpt_7b.yaml --gpus 1,2,8 \
+  python benchmarks/comm/scaling.py --config configs/gpt_7b.yaml --gpus 1,2,8 \
       [--runs O0:1,O0:3,O2:1,O2:3,O3:1,O3:3] [--microbatch 1] [--steps 5] [--max-microbatch]
 
 Every (level, ZeRO stage, GPU count) runs in its own subprocess on the first N GPUs
-(CUDA_VISIBLE_DEVICES), the per-GPU microbatch fixed (`--microbatch` sequences per GPU, one
+(CUDA_VISIBLE_DEVICES) as its own Trainer config, timed by benchmarks/comm/zero_step.py's
+run_level (``trainer.step_fn``), the per-GPU microbatch fixed (`--microbatch` sequences per GPU, one
 microbatch per step): tokens/s, MFU against the BF16 peak, peak memory per GPU, the bytes the
 compiled step's collectives move per GPU (from the optimized HLO), and scaling efficiency
 tokens/s(N) / (N x tokens/s(1)). A run that does not fit is reported as OOM.
@@ -20,28 +21,21 @@ import os
 import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 
 def one_run(config: str, level: str, stage: int, microbatch: int, overrides: list[str],
             steps: int) -> dict:
-  import zero_gpu
   import jax
-  from fp8jax.models.gpt import flops_per_token
-  n = len(jax.devices())
-  result = zero_gpu.run_level(config, level, list(overrides) + [
-      f"parallel.zero_stage={stage}", f"train.batch_size={microbatch * n}",
-      "train.microbatches=1", "train.warmup_steps=0"], steps, stage=stage)
+  from benchmarks.comm.zero_step import run_level
   from fp8jax.config import load_config
   from fp8jax.parallel import cost_model as cm
+  n = len(jax.devices())
+  result = run_level(config, level, list(overrides) + [
+      f"parallel.zero_stage={stage}", f"train.batch_size={microbatch * n}",
+      "train.microbatches=1", "train.warmup_steps=0"], steps, stage=stage)
   cfg = load_config(config, overrides)
-  fpt = flops_per_token(cm.model_config_of(cfg), cfg.data.seq_len)
-  from fp8jax.train.metrics import peak_flops
-  peak = peak_flops(jax.devices()[0].device_kind, False) or float("nan")
-  result["mfu"] = fpt * result["tokens_per_s"] / (peak * n)
   try:
     kind = cm.gpu_spec(jax.devices()[0].device_kind).name
     p = cm.predict(cm.parse_cluster(f"{n}x{kind}"), cm.model_config_of(cfg), cfg.data.seq_len,
@@ -75,14 +69,16 @@ def _spawn(args, level, stage, gpus, microbatch) -> dict:
 
 def _row(r, base) -> str:
   if "failed" in r:
+    failed = r["failed"] if r["failed"] == "OOM" or r["failed"].startswith("timeout") else "failed"
     return (f"| {r['level']} | {r['stage']} | {r['gpus']} | {r['microbatch']} | "
-            f"{r['failed'] if r['failed'] in ('OOM',) or r['failed'].startswith('timeout') else 'failed'} | | | | | | |")
+            f"{failed} | | | | | | |")
   comm = sum(r["collectives"].values()) / 2**20
   eff = "" if base is None else f"{r['tokens_per_s'] / (r['gpus'] * base):.2f}"
   pred = "" if not r.get("predicted_ms") else f"{r['predicted_ms']:.0f}"
   peak = f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else "n/a"
+  mfu = "n/a" if r.get("mfu") is None else f"{r['mfu']:.3f}"
   return (f"| {r['level']} | {r['stage']} | {r['gpus']} | {r['microbatch']} | {r['ms']:.0f} | "
-          f"{r['tokens_per_s']:,.0f} | {r['mfu']:.3f} | {peak} | {comm:,.0f} | {eff} | {pred} |")
+          f"{r['tokens_per_s']:,.0f} | {mfu} | {peak} | {comm:,.0f} | {eff} | {pred} |")
 
 
 def main() -> None:

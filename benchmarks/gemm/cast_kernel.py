@@ -1,11 +1,11 @@
 """Fused FP8 cast+transpose+amax kernel vs XLA's passes, and its effect on an MLP block (GPU).
 
-  XLA_FLAGS=--xla_gpu_enable_triton_gemm=false python benchmarks/cast_kernel_gpu.py
+  source benchmarks/gpu_env.sh && python benchmarks/gemm/cast_kernel.py
 
 (a) x[M, K] bf16 -> (q, q_t, amax) in E4M3: the Pallas kernel (several tilings) vs the XLA
     reference (compute_amax + quantize + transposed copy), checked bit-equal on the device;
     ms per call and GB/s counting 2 bytes read + 2 fp8 bytes written per element.
-(b) MLP block forward+backward (benchmarks/mlp_block.py) with Recipe.fused_cast_transpose
+(b) MLP block forward+backward (benchmarks/gemm/mlp_block.py) with Recipe.fused_cast_transpose
     False vs True: median ms, ratio, number of Triton (Pallas) and cuBLASLt FP8 calls.
 Each part runs under try/except, so one failure still prints the rest.
 """
@@ -21,9 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import fp8jax  # noqa: E402
+from benchmarks.gemm import mlp_block as mb  # noqa: E402
 from fp8jax.kernels import cast_transpose as ct  # noqa: E402
 
 SHAPES = [(16384, 2048), (16384, 8192), (2048, 8192)]
@@ -68,8 +69,8 @@ def part_a():
       gb = 4.0 * m * k / 1e9
       ref = ref_fn(x, scale)
       t_ref = _ms_per_call(ref_fn, (x, scale))
-      print(f"{m:6d}x{k:<6d} {'xla':>16s} {t_ref:8.3f} {gb / t_ref * 1e3:7.0f} {1.0:6.2f} {'ref':>9s}",
-            flush=True)
+      print(f"{m:6d}x{k:<6d} {'xla':>16s} {t_ref:8.3f} {gb / t_ref * 1e3:7.0f} {1.0:6.2f} "
+            f"{'ref':>9s}", flush=True)
       for bm, bk, warps in TILINGS:
         name = f"pallas {bm}x{bk}/w{warps}"
         try:
@@ -86,7 +87,6 @@ def part_a():
 
 
 def part_b():
-  import mlp_block as mb
   from fp8jax.linen import Fp8DotGeneral
   print("\n(b) MLP block fwd+bwd, Recipe.fused_cast_transpose False vs True")
   print(f"{'T,D,F':>18s} {'fused':>6s} {'ms(med)':>8s} {'x off':>6s} {'#triton':>7s} "
@@ -109,7 +109,7 @@ def part_b():
           dv, _ = step(variables, x, ct_)
           variables = {**variables, "fp8_meta": dv["fp8_meta"]}
         out = step(variables, x, ct_)
-        grads = [out[1], out[0]["params"]["Dense_0"]["kernel"], out[0]["params"]["Dense_1"]["kernel"]]
+        grads = [out[1]] + [out[0]["params"][k]["kernel"] for k in ("Dense_0", "Dense_1")]
         if first is None:
           first, diff = grads, 0.0
         else:

@@ -1,36 +1,57 @@
-"""Times an MLP block's forward+backward in BF16, with Flax's FP8 op and with fp8jax.
+"""Times an MLP block's forward+backward in BF16, with Flax's FP8 op and with fp8jax (GPU).
 
 Block: x[T, D] -> Dense(F) -> GELU -> Dense(D), bf16 activations and weights, gradients of
-input and both weights (and of the FP8 state, as training does). Default shape is the
-LLM-scale one of the foundation issue: T=16384, D=8192, F=28672.
+input and both weights (and of the FP8 state, as training does). Default shape is an
+LLM-scale one: T=16384, D=8192, F=28672.
 
-  python benchmarks/mlp_block.py [--tokens T --model D --hidden F --iters N]
+  python benchmarks/gemm/mlp_block.py [--tokens T --model D --hidden F --iters N] [--modes ...]
+
+Modes (each fp8jax mode is `fp8jax.linen.Fp8DotGeneral` with one `fp8jax.Recipe`):
+
+  bf16               nn.Dense in bf16
+  flax_fp8           Flax's Fp8DirectDotGeneralOp
+  fp8jax             Recipe(): delayed scaling, just-in-time scale for a never-observed state
+  fp8jax_calibrated  Recipe(calibrated=True): stored scales only (the Trainer's steady step)
+  fp8jax_fastbwd     Recipe(bwd_fast_accumulation=True): fast accumulation in backward GEMMs
+  fp8jax_fused       Recipe(fused_cast_transpose=True): the fused cast+transpose+amax kernel
+  gemms_bf16         the block's six GEMMs alone (fwd, dgrad, wgrad of both), bf16 operands
+  gemms_fp8          the same GEMMs with FP8 operands cast beforehand (E4M3, E5M2 gradients),
+                     bf16 GEMM output: what the FP8 GEMMs cost without casts or scaling state
+  gemms_fp8_f32out   the same with an f32 GEMM output, scaled in f32, then cast to bf16
 
 Prints one row per mode: median ms per step, TFLOP/s, speed-up over bf16 and over Flax's
-Fp8DirectDotGeneralOp, number of cuBLASLt FP8 GEMMs in the compiled program, and the relative
-error of the gradients vs an f32 (HIGHEST precision) computation of the same block.
-XLA_FLAGS are read once per process: run the script once per flag set (see run_gpu.sh).
+Fp8DirectDotGeneralOp, number of cuBLASLt FP8 GEMMs in the compiled program, the relative
+error of the gradients vs an f32 (HIGHEST precision) computation of the same block (block
+modes) and the compiled program's temporary memory.
+XLA_FLAGS are read once per process: run the script once per flag set (see gpu_env.sh).
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import os
+import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import flax.linen as nn
-from flax.linen import fp8_ops
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import fp8jax
-import fp8jax.dot as fdot
-import fp8jax.scaling as fscaling
-from fp8jax.linen import Fp8DotGeneral
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import flax.linen as nn  # noqa: E402
+from flax.linen import fp8_ops  # noqa: E402
+
+import fp8jax  # noqa: E402
+from benchmarks.common.hlo import custom_calls  # noqa: E402
+from fp8jax.linen import Fp8DotGeneral  # noqa: E402
 
 FP8_GEMM = "__cublas$lt$matmul$f8"
-_ORIGINAL_MM = fdot._mm
+RECIPES = {"fp8jax": fp8jax.Recipe(), "fp8jax_calibrated": fp8jax.Recipe(calibrated=True),
+           "fp8jax_fastbwd": fp8jax.Recipe(bwd_fast_accumulation=True),
+           "fp8jax_fused": fp8jax.Recipe(fused_cast_transpose=True)}
+GEMM_MODES = ("gemms_bf16", "gemms_fp8", "gemms_fp8_f32out")
+DEFAULT_MODES = ("bf16,flax_fp8,fp8jax,fp8jax_calibrated,fp8jax_fastbwd,gemms_bf16,gemms_fp8,"
+                 "gemms_fp8_f32out")
 
 
 class MLP(nn.Module):
@@ -46,39 +67,48 @@ class MLP(nn.Module):
     return nn.Dense(self.model, **kw)(h)
 
 
-def _mm_f32_out(a, b, contract, scale, out_dtype, native, fast_accum, out_sharding=None):
-  """GEMM variant: f32 GEMM output, scaled in f32, then cast (more temp memory)."""
-  if not native:
-    return _ORIGINAL_MM(a, b, contract, scale, out_dtype, native, fast_accum, out_sharding)
-  batch = ((0,), (0,)) if a.ndim == 3 else ((), ())
-  dn = (((contract[0],), (contract[1],)), batch)
-  precision = jax.lax.Precision.DEFAULT if fast_accum else jax.lax.Precision.HIGHEST
-  y = jax.lax.dot_general(a, b, dn, precision=precision, preferred_element_type=jnp.float32)
-  return (y * scale).astype(out_dtype)
+def make_model(mode: str, hidden: int, model: int) -> MLP:
+  if mode == "bf16":
+    return MLP(hidden, model)
+  if mode == "flax_fp8":
+    return MLP(hidden, model, fp8_ops.Fp8DirectDotGeneralOp)
+  if mode in RECIPES:
+    return MLP(hidden, model, functools.partial(Fp8DotGeneral, recipe=RECIPES[mode]))
+  raise SystemExit(f"--modes: unknown mode {mode!r}; use any of {DEFAULT_MODES}, fp8jax_fused")
 
 
-def _mm_fast_bwd(a, b, contract, scale, out_dtype, native, fast_accum, out_sharding=None):
-  """GEMM variant: fast (reduced-precision) accumulation in the backward GEMMs too."""
-  return _ORIGINAL_MM(a, b, contract, scale, out_dtype, native, True, out_sharding)
+def _gemm(a, b, contract, scale, out_dtype, fast: bool):
+  """scale * (a @ b) contracting a's axis contract[0] with b's contract[1], cast to bf16."""
+  dn = (((contract[0],), (contract[1],)), ((), ()))
+  precision = jax.lax.Precision.DEFAULT if fast else jax.lax.Precision.HIGHEST
+  y = jax.lax.dot_general(a, b, dn, precision=precision, preferred_element_type=out_dtype)
+  return (y * scale.astype(out_dtype)).astype(jnp.bfloat16)
 
 
-VARIANTS = {"fp8jax_f32out": _mm_f32_out, "fp8jax_fastbwd": _mm_fast_bwd}
-_ORIGINAL_SCALE_FOR_CAST = fscaling.scale_for_cast
+def gemms_step(out_dtype):
+  """The block's six GEMMs on prepared operands: forward x@W0, h@W1; input gradients
+  g_y@W1^T, g_h@W0^T; weight gradients h^T@g_y, x^T@g_h. FP8 operands are fed straight to
+  ``lax.dot_general`` (XLA rewrites that to cuBLASLt FP8 GEMMs)."""
+  def step(x, w0, h, w1, gy, gh, scale):
+    fp8 = x.dtype != jnp.bfloat16
+    return (_gemm(x, w0, (1, 0), scale, out_dtype, True),
+            _gemm(h, w1, (1, 0), scale, out_dtype, True),
+            _gemm(gy, w1, (1, 1), scale, out_dtype, not fp8),
+            _gemm(gh, w0, (1, 1), scale, out_dtype, not fp8),
+            _gemm(h, gy, (0, 0), scale, out_dtype, not fp8),
+            _gemm(x, gh, (0, 0), scale, out_dtype, not fp8))
+  return jax.jit(step)
 
 
-def _delayed_only(meta, amax, recipe, fmt):
-  """Scale variant: pure delayed scaling, no just-in-time scale for a never-observed meta
-  (quantization then needs no pass over the tensor before its amax is known)."""
-  return meta.scale
-
-
-def custom_calls(hlo: str) -> dict:
-  """{custom-call target: count} in compiled HLO text."""
-  import re
-  out = {}
-  for t in re.findall(r'custom_call_target="([^"]+)"', hlo):
-    out[t] = out.get(t, 0) + 1
-  return out
+def gemm_operands(mode: str, x, params, h, gy, gh):
+  """(x, W0, h, W1, g_y, g_h, scale) in the mode's operand types."""
+  w0, w1 = params["Dense_0"]["kernel"], params["Dense_1"]["kernel"]
+  args = (x, w0, h, w1, gy, gh)
+  if mode == "gemms_bf16":
+    return args + (jnp.float32(1.0),)
+  e4, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
+  cast = jax.jit(lambda *a: tuple(v.astype(t) for v, t in zip(a, (e4, e4, e4, e4, e5, e5))))
+  return cast(*args) + (jnp.float32(1.0),)
 
 
 def make_step(model):
@@ -107,13 +137,56 @@ def rel(a, b):
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def time_block(mode, x, ct, params, ref, kp, hidden, model, iters):
+  """(median ms, min ms, #FP8 GEMMs, gradient error, temp GiB) of one block mode."""
+  net = make_model(mode, hidden, model)
+  variables = {**net.init(kp, x), "params": params}
+  step = make_step(net)
+  t0 = time.perf_counter()
+  compiled = step.lower(variables, x, ct).compile()
+  print(f"  {mode}: compiled in {time.perf_counter() - t0:.1f} s", flush=True)
+  calls = custom_calls(compiled.as_text())
+  print(f"  {mode}: custom calls {calls}", flush=True)
+  # Two steps with state carried so delayed scales are warm, as in training.
+  for _ in range(2):
+    dv, dx = step(variables, x, ct)
+    for col in ("fp8_meta", fp8_ops.OVERWRITE_WITH_GRADIENT):
+      if col in dv:
+        variables = {**variables, col: dv[col]}
+  dv, dx = step(variables, x, ct)
+  ref_dp, ref_dx = ref
+  err = max(rel(dx, ref_dx),
+            *(rel(dv["params"][k]["kernel"], ref_dp[k]["kernel"]) for k in ("Dense_0", "Dense_1")))
+  med, best = median_ms(step, (variables, x, ct), iters)
+  return med, best, calls.get(FP8_GEMM, 0), err, temp_gib(compiled)
+
+
+def time_gemms(mode, x, ct, params, key, hidden, iters):
+  """The same row for the GEMMs-only modes (no gradient error: no block is computed)."""
+  kh, kg = jax.random.split(key)
+  h = jax.random.normal(kh, (x.shape[0], hidden), jnp.float32).astype(jnp.bfloat16)
+  gh = jax.random.normal(kg, (x.shape[0], hidden), jnp.float32).astype(jnp.bfloat16)
+  args = gemm_operands(mode, x, params, h, ct, gh)
+  step = gemms_step(jnp.float32 if mode == "gemms_fp8_f32out" else jnp.bfloat16)
+  compiled = step.lower(*args).compile()
+  calls = custom_calls(compiled.as_text())
+  print(f"  {mode}: custom calls {calls}", flush=True)
+  med, best = median_ms(step, args, iters)
+  return med, best, calls.get(FP8_GEMM, 0), None, temp_gib(compiled)
+
+
+def temp_gib(compiled) -> float:
+  mem = compiled.memory_analysis()
+  return getattr(mem, "temp_size_in_bytes", 0) / 2**30 if mem is not None else float("nan")
+
+
 def main():
-  p = argparse.ArgumentParser()
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--tokens", type=int, default=16384)
   p.add_argument("--model", type=int, default=8192)
   p.add_argument("--hidden", type=int, default=28672)
   p.add_argument("--iters", type=int, default=20)
-  p.add_argument("--modes", default="bf16,flax_fp8,fp8jax,fp8jax_nofallback,fp8jax_fastbwd,fp8jax_f32out")
+  p.add_argument("--modes", default=DEFAULT_MODES, help="comma separated (see the docstring)")
   a = p.parse_args()
   T, D, F = a.tokens, a.model, a.hidden
   flops = 3 * 2 * (2 * T * D * F)  # fwd + dgrad + wgrad of two GEMMs
@@ -121,20 +194,12 @@ def main():
   print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
   print(f"MLP block T={T} D={D} F={F}: {flops / 1e12:.1f} TFLOP per fwd+bwd")
 
-  kx, kc, kp = jax.random.split(jax.random.key(0), 3)
+  kx, kc, kp, kg = jax.random.split(jax.random.key(0), 4)
   # Drawn in f32, then rounded: bf16 draws take only ~128 distinct values, whose systematic
   # FP8 rounding errors add up coherently over long contractions.
   x = jax.random.normal(kx, (T, D), jnp.float32).astype(jnp.bfloat16)
   ct = jax.random.normal(kc, (T, D), jnp.float32).astype(jnp.bfloat16)
-  models = {
-      "bf16": MLP(F, D),
-      "flax_fp8": MLP(F, D, fp8_ops.Fp8DirectDotGeneralOp),
-      "fp8jax": MLP(F, D, functools.partial(Fp8DotGeneral, recipe=fp8jax.Recipe())),
-      "fp8jax_f32out": MLP(F, D, functools.partial(Fp8DotGeneral, recipe=fp8jax.Recipe())),
-      "fp8jax_fastbwd": MLP(F, D, functools.partial(Fp8DotGeneral, recipe=fp8jax.Recipe())),
-      "fp8jax_nofallback": MLP(F, D, functools.partial(Fp8DotGeneral, recipe=fp8jax.Recipe())),
-  }
-  params = models["bf16"].init(kp, x)["params"]
+  params = MLP(F, D).init(kp, x)["params"]
 
   # f32 reference gradients (HIGHEST precision) of the same block on the same data.
   def ref_step(p, x, ct):
@@ -144,49 +209,28 @@ def main():
     _, vjp = jax.vjp(block, p, x)
     return vjp(ct)
   p32 = jax.tree.map(lambda t: t.astype(jnp.float32), params)
-  ref_dp, ref_dx = jax.jit(ref_step)(p32, x.astype(jnp.float32), ct.astype(jnp.float32))
+  ref = jax.jit(ref_step)(p32, x.astype(jnp.float32), ct.astype(jnp.float32))
 
   rows = []
   base = {}
   for mode in a.modes.split(","):
-    model = models[mode]
-    fdot._mm = VARIANTS.get(mode, _ORIGINAL_MM)
-    fscaling.scale_for_cast = (_delayed_only if mode == "fp8jax_nofallback"
-                               else _ORIGINAL_SCALE_FOR_CAST)
-    variables = model.init(kp, x)
-    variables = {**variables, "params": params}
-    step = make_step(model)
-    t0 = time.perf_counter()
-    compiled = step.lower(variables, x, ct).compile()
-    print(f"  {mode}: compiled in {time.perf_counter() - t0:.1f} s", flush=True)
-    calls = custom_calls(compiled.as_text())
-    n_f8 = calls.get(FP8_GEMM, 0)
-    print(f"  {mode}: custom calls {calls}", flush=True)
-    mem = compiled.memory_analysis()
-    temp_gib = getattr(mem, "temp_size_in_bytes", 0) / 2**30 if mem is not None else float("nan")
-    # Two steps with state carried so delayed scales are warm, as in training.
-    for _ in range(2):
-      dv, dx = step(variables, x, ct)
-      for col in ("fp8_meta", fp8_ops.OVERWRITE_WITH_GRADIENT):
-        if col in dv:
-          variables = {**variables, col: dv[col]}
-    dv, dx = step(variables, x, ct)
-    err = max(rel(dx, ref_dx), rel(dv["params"]["Dense_0"]["kernel"], ref_dp["Dense_0"]["kernel"]),
-              rel(dv["params"]["Dense_1"]["kernel"], ref_dp["Dense_1"]["kernel"]))
-    med, best = median_ms(step, (variables, x, ct), a.iters)
-    base.setdefault(mode, med)
-    rows.append((mode, med, best, flops / med / 1e9, n_f8, err, temp_gib))
-  fdot._mm = _ORIGINAL_MM
-  fscaling.scale_for_cast = _ORIGINAL_SCALE_FOR_CAST
+    if mode in GEMM_MODES:
+      row = time_gemms(mode, x, ct, params, kg, F, a.iters)
+    else:
+      row = time_block(mode, x, ct, params, ref, kp, F, D, a.iters)
+    base.setdefault(mode, row[0])
+    rows.append((mode,) + row)
 
   print()
-  print(f"{'mode':16s} {'ms(med)':>9s} {'ms(min)':>9s} {'TFLOP/s':>8s} {'xBF16':>6s} "
+  print(f"{'mode':17s} {'ms(med)':>9s} {'ms(min)':>9s} {'TFLOP/s':>8s} {'xBF16':>6s} "
         f"{'xFlax':>6s} {'#f8gemm':>7s} {'grad err':>9s} {'temp GiB':>8s}")
-  for mode, med, best, tf, n_f8, err, temp in rows:
-    xb = base["bf16"] / med if "bf16" in base else float("nan")
+  for mode, med, best, n_f8, err, temp in rows:
+    ref_mode = "gemms_bf16" if mode in GEMM_MODES else "bf16"
+    xb = base[ref_mode] / med if ref_mode in base else float("nan")
     xf = base["flax_fp8"] / med if "flax_fp8" in base else float("nan")
-    print(f"{mode:16s} {med:9.2f} {best:9.2f} {tf:8.0f} {xb:6.2f} {xf:6.2f} {n_f8:7d} "
-          f"{err:9.2e} {temp:8.2f}")
+    e = "-" if err is None else f"{err:.2e}"
+    print(f"{mode:17s} {med:9.2f} {best:9.2f} {flops / med / 1e9:8.0f} {xb:6.2f} {xf:6.2f} "
+          f"{n_f8:7d} {e:>9s} {temp:8.2f}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Balanced vs uniform microbatches across 2 local CPU processes, one slowed down, with the
 step-time prediction (makespan of the measured per-group seconds + the measured fixed cost)
 next to the measured step. Runs tests/hetero_worker.py twice under jax.distributed on
-127.0.0.1 (1 CPU device per process).
+127.0.0.1 (1 CPU device per process). No GPU needed.
 
-  python benchmarks/hetero_cpu.py [--repeats 2,0] [--steps 5]
+  python benchmarks/hetero/balance_cpu.py [--repeats 2,0] [--steps 5]
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 from fp8jax.parallel import balance  # noqa: E402

@@ -1,55 +1,34 @@
-"""Heterogeneous-mesh measurements on the lent GPUs (the cost model's inputs and its check).
+"""Balanced vs uniform microbatches on the local GPUs, measured and predicted (several GPUs).
 
-  python benchmarks/hetero_gpu.py emulation --config configs/gpt_1_3b.yaml --microbatch 8
-      one GPU: seconds per train step of one microbatch at O0, O1 with native FP8 GEMMs and O1
-      with FP8 GEMMs emulated (the plan of a pre-Ada GPU installed): the emulation overhead an
-      A100 pays over its BF16 speed, measured on this GPU.
-  python benchmarks/hetero_gpu.py balance --config configs/gpt_125m.yaml --microbatch 8 \
-      --repeats 1,0
-      all local GPUs as data-parallel groups; `repeats` extra forward+backward passes per
-      microbatch slow chosen GPUs down (GPU 0 at half speed with 1,0). Measures single-group
-      splits (the per-group profile and the fixed cost of reduction + update), then the uniform
-      and the balanced split of --total microbatches, and prints the prediction
-      makespan(counts, measured seconds) + fixed cost next to the measured step.
-Both print a table and write JSON to --out.
+  python benchmarks/hetero/balance_gpu.py --config configs/gpt_125m.yaml --microbatch 8 \
+      --total 8 --repeats 1,0 [--set model.attention_impl=cudnn] [--out FILE.json]
+
+All local GPUs as data-parallel groups; `repeats` extra forward+backward passes per
+microbatch slow chosen GPUs down (GPU 0 at half speed with 1,0: the step's slowdown hook,
+data rather than code, so every GPU runs the same program). Measures single-group splits (the
+per-group seconds per microbatch and the fixed cost of reduction + update), then the uniform
+and the balanced split of --total microbatches, and prints the prediction
+makespan(counts, measured seconds) + fixed cost next to the measured step. Writes JSON to
+--out.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
-import jax
-import numpy as np
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from fp8jax.config import load_config
-from fp8jax.parallel import balance, capability, make_mesh, profile
-from fp8jax.train import balanced
-from fp8jax.train.build import model_and_optimizer
-from fp8jax.train.state import init_state
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
-
-def emulation(args) -> dict:
-  rows = {}
-  for name, level, emulate in [("O0 (BF16)", "O0", False), ("O1 native FP8", "O1", False),
-                               ("O1 emulated FP8", "O1", True)]:
-    config = load_config(args.config, args.set + [f"train.opt_level={level}"])
-    report = capability.local_report()
-    if emulate:  # what a pre-Ada GPU would run: FP8 values upcast to BF16
-      report = report._replace(device_kind="emulated (A100 plan)", compute_capability="8.0")
-    capability.install(capability.decide([report]))
-    data = profile.measure(config, [args.microbatch], steps=args.steps)
-    capability.install(None)
-    rows[name] = data["points"][0]
-    print(f"{name:>18}: {1e3 * rows[name]['seconds']:8.1f} ms/step "
-          f"({rows[name]['tokens_per_s']:,.0f} tokens/s)", flush=True)
-  base = rows["O0 (BF16)"]["seconds"]
-  for name, p in rows.items():
-    print(f"{name:>18}: {base / p['seconds']:.3f}x O0")
-  return {"config": args.config, "microbatch": args.microbatch,
-          "device": jax.devices()[0].device_kind, "rows": rows}
+from fp8jax.config import load_config  # noqa: E402
+from fp8jax.parallel import balance, layout, make_mesh  # noqa: E402
+from fp8jax.train.build import model_and_optimizer  # noqa: E402
+from fp8jax.train.state import init_state  # noqa: E402
+from fp8jax.train.step import GroupLoop, make_train_step  # noqa: E402
 
 
 def _timed(fn, *a, steps: int) -> float:
@@ -67,12 +46,13 @@ def balance_run(args) -> dict:
   level, t, d = config.level(), config.train, config.data
   model, _, tx = model_and_optimizer(config)
   mesh = make_mesh()
-  groups = balanced.group_count(mesh)
+  groups = layout.group_count(mesh)
   state = jax.device_put(init_state(model, tx, level, args.microbatch, d.seq_len, t.seed),
-                         NamedSharding(mesh, P()))
-  sharding = balanced.batch_sharding(mesh)
-  put = lambda x: balanced.put_global(np.asarray(x), sharding)
-  step = jax.jit(balanced.make_balanced_train_step(model.apply, tx, mesh))
+                         layout.replicated(mesh))
+  sharding = layout.batch_sharding(mesh)
+  put = lambda x: layout.put_global(np.asarray(x), sharding)
+  # The per-group step: (state, batch, counts, repeats); `repeats` is its slowdown hook.
+  step = jax.jit(make_train_step(model.apply, tx, args.total, groups=GroupLoop(mesh)))
   repeats = [int(r) for r in args.repeats.split(",")]
   assert len(repeats) == groups, f"--repeats needs {groups} values"
   slow = put(np.asarray(repeats, np.int32))
@@ -82,7 +62,7 @@ def balance_run(args) -> dict:
 
   def measure(counts) -> float:
     rows = tokens[:sum(counts) * args.microbatch]
-    return _timed(step, state, put(balanced.layout_batch(rows, counts, args.microbatch)),
+    return _timed(step, state, put(layout.layout_counts(rows, counts, args.microbatch)),
                   put(np.asarray(counts, np.int32)), slow, steps=args.steps)
 
   one = lambda g, n: tuple(n if i == g else 0 for i in range(groups))
@@ -109,24 +89,23 @@ def balance_run(args) -> dict:
     print(f"{name + ' ' + ','.join(map(str, counts)):>14} {measured * 1e3:12.1f} "
           f"{predicted * 1e3:13.1f} {100 * (predicted / measured - 1):+6.1f}%")
   if len(out["splits"]) == 2:
-    s = out["splits"]
-    print(f"balanced vs uniform: measured {s['uniform']['measured'] / s['balanced']['measured']:.2f}x, "
-          f"predicted {s['uniform']['predicted'] / s['balanced']['predicted']:.2f}x")
+    u, b = out["splits"]["uniform"], out["splits"]["balanced"]
+    print(f"balanced vs uniform: measured {u['measured'] / b['measured']:.2f}x, "
+          f"predicted {u['predicted'] / b['predicted']:.2f}x")
   return out
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("part", choices=["emulation", "balance"])
   parser.add_argument("--config", default="configs/gpt_125m.yaml")
   parser.add_argument("--set", action="append", default=[])
   parser.add_argument("--microbatch", type=int, default=8, help="sequences per microbatch")
-  parser.add_argument("--total", type=int, default=8, help="microbatches per step (balance)")
+  parser.add_argument("--total", type=int, default=8, help="microbatches per step")
   parser.add_argument("--repeats", default="1,0", help="extra passes per microbatch per group")
   parser.add_argument("--steps", type=int, default=5, help="timed steps (median)")
   parser.add_argument("--out", default=None, help="JSON output path")
   args = parser.parse_args()
-  result = emulation(args) if args.part == "emulation" else balance_run(args)
+  result = balance_run(args)
   if args.out:
     with open(args.out, "w") as f:
       json.dump(result, f, indent=1)

@@ -1,30 +1,32 @@
 """Where the fused O2 optimizer kernel's time goes: variants of it on one tensor, one GPU.
 
-  python benchmarks/adam_kernel_probe.py [--n 268435456] [--iters 20]
+  python benchmarks/optim/adam_kernel.py [--n 268435456] [--iters 20]
 
-Times, on one tensor of N elements (E4M3 gradient, E4M3 u, FP16 r, FP16 master weight):
-the kernel as shipped ("when": a skipped step is a pl.when), the previous one ("full hash32":
-per-element selects, two hash32 rounds per element), the kernel with parts of its math
-removed (stochastic rounding, the block amax), a copy kernel moving the same bytes (the bandwidth ceiling of a
-1-D Pallas/Triton kernel), other tilings, the same per-element function through XLA, and the
-amax passes the step runs before the kernel. Prints GPU kernel ms per call (from a profiler
-trace) and GB/s of the 11 bytes/element the update must move.
+Times, on one tensor of N elements (E4M3 gradient, E4M3 u, FP16 r, FP16 master weight): the
+shipped kernel in place (``fp8jax.kernels.adam_update.adam_master_update``, donated), the
+same per-element math (``update_math``: a skipped step is a ``pl.when``) in a pallas_call
+written here at several tilings and without the block amax, a copy kernel moving the same
+bytes (the bandwidth ceiling of a 1-D Pallas/Triton kernel), the same per-element function
+through XLA (``update_reference``), and the amax passes the step runs before the kernel.
+Prints GPU kernel ms per call (from a profiler trace) and GB/s of the 11 bytes/element the
+update must move.
 """
 from __future__ import annotations
 
 import argparse
 import functools
-import glob
 import os
-import tempfile
+import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from fp8jax.kernels import adam_update as K
-from fp8jax.optim.rounding import hash32
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.common import trace  # noqa: E402
+from fp8jax.kernels import adam_update as K  # noqa: E402
 
 
 def _time(fn, *args, iters: int):
@@ -39,14 +41,8 @@ def _time(fn, *args, iters: int):
     times.append(time.perf_counter() - t0)
   if jax.default_backend() != "gpu":
     return 1e3 * float(np.median(times))
-  from profile_step import gpu_kernels
-  with tempfile.TemporaryDirectory() as d:
-    with jax.profiler.trace(d, create_perfetto_trace=True):
-      for _ in range(iters):
-        out = fn(*args)
-      jax.block_until_ready(out)
-    path = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)[0]
-    return sum(us for _, us in gpu_kernels(path)) / iters / 1e3
+  _, kernels = trace.traced_kernels(lambda: fn(*args), iters)
+  return trace.kernel_ms(kernels, iters)
 
 
 def _inputs(n: int):
@@ -62,7 +58,8 @@ def _inputs(n: int):
 
 @functools.lru_cache(maxsize=None)
 def _kernel_call(variant: str, block: int, warps: int, stages: int):
-  """A jitted pallas_call of the update kernel with `variant`'s math."""
+  """A jitted pallas_call of the update kernel's math: "math" (as shipped), "no-amax" (the
+  block amax not computed) or "copy" (the same bytes moved, no math)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plt
   from jax import lax
@@ -76,36 +73,20 @@ def _kernel_call(variant: str, block: int, warps: int, stages: int):
       amax_out[...] = jnp.zeros((1,), jnp.float32)
       return
     s = [s_ref[i] for i in range(K.NUM_SCALARS)]
-    words = set(variant.split())
-
     index = (pl.program_id(0).astype(jnp.uint32) * jnp.uint32(block)
              + lax.broadcasted_iota(jnp.uint32, (block,), 0))
 
     def write():
-      saved = K.round_with_bits, K.index_bits
-      try:
-        if "nearest" in words:
-          K.round_with_bits = lambda y, dtype, bits: y.astype(dtype)
-        if "no-hash" in words:
-          K.index_bits = lambda i, seed: i ^ seed
-        if "hash32" in words:  # the previous bits: two rounds of hash32 per element
-          K.index_bits = lambda i, seed: hash32(i ^ hash32(seed ^ jnp.uint32(0x9E3779B9)))
-        fn = K.update_math if "when" in words else K.update_reference
-        new_mu, new_nu, new_w, mag = fn(g_ref[...], mu_ref[...], nu_ref[...], w_ref[...], s,
-                                        seed_ref[0], index, 0.9, 0.999)
-      finally:
-        K.round_with_bits, K.index_bits = saved
+      new_mu, new_nu, new_w, mag = K.update_math(g_ref[...], mu_ref[...], nu_ref[...],
+                                                 w_ref[...], s, seed_ref[0], index, 0.9, 0.999)
       mu_out[...] = new_mu
       nu_out[...] = new_nu
       w_out[...] = new_w
-      if "no-amax" in words:
+      if variant == "no-amax":
         amax_out[...] = jnp.zeros((1,), jnp.float32)
       else:
         amax_out[...] = jnp.broadcast_to(jnp.max(mag), (1,))
-    if "when" in words:
-      pl.when(s[K.S_OK] > 0)(write)
-    else:
-      write()
+    pl.when(s[K.S_OK] > 0)(write)
 
   def call(g, mu, nu, w, s, seed):
     s = K.scalar_table([s])  # padded to a power of two (a Triton block)
@@ -140,22 +121,23 @@ def main(argv=None):
   x = _inputs(n)
   moved = 11 * n
   dev = jax.devices()[0]
-  print(f"{dev.device_kind}, jax {jax.__version__}, N={n:,}, 11 B/element = {moved / 2**30:.2f} GiB")
+  print(f"{dev.device_kind}, jax {jax.__version__}, N={n:,}, "
+        f"11 B/element = {moved / 2**30:.2f} GiB")
   rows = [("xla update_reference (one fusion?)", _time(jax.jit(_xla_update), *x,
                                                         iters=args.iters))]
   if jax.default_backend() != "gpu":
     print(f"{rows[0][0]}: {rows[0][1]:.3f} ms; not a GPU: kernels skipped")
     return
-  variants = [("full hash32", 2048, 8, 1), ("copy", 2048, 8, 1), ("when hash32", 2048, 8, 1),
-              ("when", 2048, 8, 1), ("when no-amax", 2048, 8, 1),
-              ("when nearest no-amax", 2048, 8, 1), ("when", 1024, 4, 1), ("when", 2048, 4, 1),
-              ("when", 4096, 8, 1), ("when", 1024, 8, 1)]
+  variants = [("copy", 2048, 8, 1), ("math", 2048, 8, 1), ("no-amax", 2048, 8, 1),
+              ("math", 1024, 4, 1), ("math", 2048, 4, 1), ("math", 4096, 8, 1),
+              ("math", 1024, 8, 1)]
   for v, block, warps, stages in variants:
     try:
       ms = _time(_kernel_call(v, block, warps, stages), *x, iters=args.iters)
       rows.append((f"pallas {v} {block}x{warps} st{stages}", ms))
     except Exception as e:  # noqa: BLE001
-      rows.append((f"pallas {v} {block}x{warps} st{stages}: {type(e).__name__} {str(e)[:120]}", None))
+      rows.append((f"pallas {v} {block}x{warps} st{stages}: {type(e).__name__} "
+                   f"{str(e)[:120]}", None))
   donated = jax.jit(functools.partial(K.adam_master_update, row=0, offset=0, b1=0.9, b2=0.999),
                     donate_argnums=(1, 2, 3, 6))
   g, mu, nu, w, sc, seed = x
@@ -170,14 +152,13 @@ def main(argv=None):
   for _ in range(3):
     state = shipped(*state)
   jax.block_until_ready(state)
-  from profile_step import gpu_kernels
-  with tempfile.TemporaryDirectory() as d:
-    with jax.profiler.trace(d, create_perfetto_trace=True):
-      for _ in range(args.iters):
-        state = shipped(*state)
-      jax.block_until_ready(state)
-    path = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)[0]
-    ms = sum(us for _, us in gpu_kernels(path)) / args.iters / 1e3
+  carry = [state]
+
+  def one_call():
+    carry[0] = shipped(*carry[0])
+    return carry[0]
+  state, kernels = trace.traced_kernels(one_call, args.iters)
+  ms = trace.kernel_ms(kernels, args.iters)
   rows.append(("shipped kernel, donated (in place)", ms))
   del state
   amax8 = jax.jit(lambda a: jnp.max(jnp.abs(a.astype(jnp.float32))))

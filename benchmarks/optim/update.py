@@ -20,8 +20,12 @@ Modes:
   clip+O2 fused  global-norm clipping of the FP8 gradients (one pass over the payloads; the
                clip factor goes into their scales) then the fused step, finite from the norm
 
-  python benchmarks/optim_update.py [--params N] [--tensors T] [--iters K] [--modes ...]
-  python benchmarks/optim_update.py --params 1048576 --iters 5     # a quick CPU run
+  O2 payload-amax, O2 nearest   experiments: the master weights' scale from a reduction over
+               the stored payload instead of the tracked amax; round to nearest instead of
+               stochastic rounding (composed path)
+
+  python benchmarks/optim/update.py [--params N] [--tensors T] [--iters K] [--modes ...]
+  python benchmarks/optim/update.py --params 1048576 --iters 5     # a quick CPU run
 
 Prints per mode: median ms per step, ratio to optax, effective GB/s (persistent bytes read
 and written once per step: params, gradients, state), persistent bytes per parameter, the
@@ -30,15 +34,21 @@ compiled step's temporary memory, and on GPU the device's peak bytes in use.
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
+import os
+import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-import fp8jax.optim as fo
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+import fp8jax.optim as fo  # noqa: E402
+from benchmarks.common import trace  # noqa: E402
 
 KERNEL_NAMES = False  # --kernel-names: list each traced mode's kernels by name
 MODES = ("optax", "fp8jax", "fp8jax O2", "O2 fused", "O2 fused, finite given", "clip+optax",
@@ -72,11 +82,7 @@ def _tree(shapes, key, scale):
 def _step_fn(mode: str, tx):
   """The jitted step (params/master, opt_state, grads) -> (params/master, opt_state)."""
   if "O2 fused" in mode:  # fp8jax.optim.fused: one Pallas kernel per tensor on GPUs
-    from fp8jax.kernels import adam_update
     from fp8jax.optim.fused import adamw_master_step
-    if mode.startswith("O2 fused ") and "x" in mode.split()[-1]:  # "O2 fused BLOCKxWARPS"
-      block, warps = mode.split()[-1].split("x")
-      adam_update.BLOCK, adam_update.NUM_WARPS = int(block), int(warps)
 
     def step(master, state, grads):
       finite = None
@@ -120,24 +126,18 @@ def _device_peak():
 
 def _kernel_time(compiled, params, state, grads, iters: int):
   """(params, state, GPU kernel ms per step, kernels per step) from a profiler trace."""
-  import glob
-  import os
-  import tempfile
-  from profile_step import gpu_kernels
-  with tempfile.TemporaryDirectory() as d:
-    with jax.profiler.trace(d, create_perfetto_trace=True):
-      for _ in range(iters):
-        params, state = compiled(params, state, grads)
-      jax.block_until_ready((params, state))
-    path = glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True)[0]
-    kernels = gpu_kernels(path)
+  carry = [params, state]
+
+  def one_step():
+    carry[:] = compiled(carry[0], carry[1], grads)
+    return tuple(carry)
+  _, kernels = trace.traced_kernels(one_step, iters)
   if KERNEL_NAMES:
-    import collections
-    counts = collections.Counter(name for name, _ in kernels)
+    counts = collections.Counter(name for name, _, _ in kernels)
     print(f"kernels per step by name ({len(counts)} names):")
     for name, c in counts.most_common():
       print(f"  {c / iters:6.1f}  {name[:100]}")
-  return params, state, sum(us for _, us in kernels) / iters / 1e3, len(kernels) / iters
+  return carry[0], carry[1], trace.kernel_ms(kernels, iters), len(kernels) / iters
 
 
 def run_mode(mode: str, shapes, iters: int, seed: int, dump_hlo: str | None = None,
@@ -154,7 +154,8 @@ def run_mode(mode: str, shapes, iters: int, seed: int, dump_hlo: str | None = No
   state = jax.jit(tx.init)(params)
   if mode not in ("optax", "fp8jax", "clip+optax"):
     params = jax.jit(fo.init_master, donate_argnums=0)(params)
-    grads = jax.jit(fo.quantize_updates, donate_argnums=0)(grads)
+    grads = jax.jit(lambda g: jax.tree.map(  # FP8 E4M3 payloads with a per-tensor scale
+        lambda x: fo.quantize_scaled(x, jnp.float8_e4m3fn), g), donate_argnums=0)(grads)
   jax.block_until_ready((params, state, grads))
   step = _step_fn(mode, tx)
   compiled = step.lower(params, state, grads).compile()
@@ -210,7 +211,7 @@ def main(argv=None):
   ap.add_argument("--tensors", type=int, default=16, help="number of parameter tensors")
   ap.add_argument("--iters", type=int, default=20, help="timed steps per mode (median)")
   ap.add_argument("--modes", nargs="+", default=list(MODES),
-                  help=f"any of {list(MODES)}, or 'O2 fused BLOCKxWARPS' (kernel tiling)")
+                  help=f"any of {list(MODES)}")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--dump-hlo", default=None, metavar="PREFIX",
                   help="write each mode's compiled step to PREFIX.<mode>.hlo.txt")

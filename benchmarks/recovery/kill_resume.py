@@ -1,8 +1,8 @@
 """Recovery time: kill -9 a training run, relaunch it with auto-resume, time the way back.
 
-  python benchmarks/recovery_gpu.py [--config configs/gpt_1_3b.yaml] [--kill-at 12]
+  python benchmarks/recovery/kill_resume.py [--config configs/gpt_1_3b.yaml] [--kill-at 12]
       [--every 5] [--set train.opt_level=O2 ...]
-  python benchmarks/recovery_gpu.py --config configs/tiny.yaml          # CPU check
+  python benchmarks/recovery/kill_resume.py --config configs/tiny.yaml          # CPU check
 
 Runs ``python -m fp8jax.cli train`` on the config with checkpoints every `--every` steps,
 logging every step; once step `--kill-at` is logged (and the checkpoint before it is on
@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class Run:

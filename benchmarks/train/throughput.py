@@ -1,15 +1,16 @@
 """Train-step throughput and memory of the reference decoder, several settings side by side.
 
-  python benchmarks/train_throughput.py --config configs/gpt_1_3b.yaml \
-      --run O0=O0 --run O1=O1 --run "O2 no-remat=O2,model.remat=false" [--steps 10] \
+  python benchmarks/train/throughput.py --config configs/gpt_1_3b.yaml \
+      --run O0=O0 --run O1=O1 --run "O2 io=O2,model.remat_policy=save_gemm_io" [--steps 10] \
       [--set model.attention_impl=cudnn ...]
   e.g. the fused FP8 cast kernel: --run O1=O1 --run "O1 fused=O1,fp8.fused_cast_transpose=true"
 
 Each ``--run LABEL=LEVEL[,key=value...]`` is measured in its own subprocess (so the device's
 peak memory is that run's alone) on the same config, data and batch: two warm-up steps
 (compilation; the Trainer's first step runs its uncalibrated FP8 model, see fp8.calibrate),
-then ``--steps`` steps timed with the host clock around a blocking step (median). ``--set`` overrides apply to every run. Prints tokens/s, the ratio to the first run,
-MFU (against the FP8 peak for FP8 levels, BF16 for O0), peak device memory and compile time.
+then ``--steps`` steps timed with the host clock around a blocking step (median). ``--set``
+overrides apply to every run. Prints tokens/s, the ratio to the first run, MFU (against the
+FP8 peak for FP8 levels, BF16 for O0), peak device memory and compile time.
 """
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ import sys
 import time
 
 import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
 
 
 def time_one(config_path: str, level: str, overrides: list[str], steps: int) -> dict:
@@ -78,7 +82,9 @@ def main():
            "--steps", str(a.steps)]
     for s in list(a.set) + overrides:
       cmd += ["--set", s]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
     if line is None:
       print(f"{label}: failed (exit {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
