@@ -1,5 +1,5 @@
 """One process of a 2-process heterogeneous-mesh run (spawned by test_hetero.py and
-benchmarks/hetero_cpu.py); 1 CPU device per process, joined through the FP8JAX_* variables.
+benchmarks/hetero/balance_cpu.py); 1 CPU device per process, joined through the FP8JAX_* variables.
 
   python tests/hetero_worker.py OUT_DIR COUNTS REPEATS [TIMING_STEPS]
 
