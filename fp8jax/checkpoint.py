@@ -141,6 +141,18 @@ class CheckpointManager:
     steps = self.steps()
     return steps[-1] if steps else None
 
+  def metadata(self, step: int | None = None) -> dict | None:
+    """The JSON metadata saved with checkpoint `step` (default: the newest), without reading
+    the state; None when there is none or it is unreadable."""
+    step = self.latest_step() if step is None else step
+    if step is None:
+      return None
+    try:
+      out = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    except Exception:  # the state's restore reports unreadable checkpoints
+      return None
+    return dict(out["meta"])
+
   def save(self, step: int, state, meta: dict | None = None) -> bool:
     """Starts saving `state` and `meta` as step `step` (returns False if it exists)."""
     _check_int("step", step, 0)

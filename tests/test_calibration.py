@@ -9,7 +9,8 @@ import pytest
 import fp8jax
 from fp8jax import dot, scaling
 from fp8jax.config import load_config
-from fp8jax.train.loop import Trainer, _any_unobserved
+from fp8jax.train.calibration import any_unobserved as _any_unobserved
+from fp8jax.train.loop import Trainer
 
 TINY = "configs/tiny.yaml"
 E4M3, E5M2 = fp8jax.O1.recipe.fwd_format, fp8jax.O1.recipe.bwd_format
@@ -104,15 +105,17 @@ def test_trainer_calibrates_after_the_first_step_with_the_same_losses(tmp_path):
                              "model.n_layers=2", "model.d_model=64",
                              "model.d_ff=128", f"runtime.run_dir={tmp_path / mode}"])
     trainer = Trainer(cfg, progress=False)
-    assert trainer.calibration is (mode == "always")
+    assert trainer.calibration.enabled is (mode == "always")
     assert _any_unobserved(trainer.state.fp8)
     step, out = trainer.step_fn(1), []
     for s in range(4):
       trainer.state, m = step(trainer.state, trainer.next_batch(s))
       out.append(float(m["loss"]))
     assert not _any_unobserved(trainer.state.fp8)
-    expected = {(1, True), (1, False)} if mode == "always" else {(1, False)}
-    assert set(trainer._steps) == expected
+    first, steady = trainer.calibration.first, trainer.calibration.model
+    expected = {(id(first), 1), (id(steady), 1)} if mode == "always" else {(id(steady), 1)}
+    assert {(id(m), n) for m, n in trainer.steps.built()} == expected
+    assert (first is steady) is (mode == "never")
     losses[mode] = out
   np.testing.assert_allclose(losses["always"], losses["never"], rtol=2e-4)
   assert losses["always"][0] == losses["never"][0]  # the same first step
@@ -121,9 +124,9 @@ def test_trainer_calibrates_after_the_first_step_with_the_same_losses(tmp_path):
 def test_auto_calibrates_only_with_native_fp8_gemms():
   cfg = load_config(TINY, ["train.opt_level=O1", "checkpoint.checkpoint_every_n_steps=0"])
   trainer = Trainer(cfg, progress=False)
-  assert trainer.calibration is (dot.native_fp8_reason() is None)
-  assert not trainer.first_model.recipe.calibrated
-  assert trainer.model.recipe.calibrated is trainer.calibration
+  assert trainer.calibration.enabled is (dot.native_fp8_reason() is None)
+  assert not trainer.calibration.first.recipe.calibrated
+  assert trainer.model.recipe.calibrated is trainer.calibration.enabled
 
 
 def test_bad_calibrate_value_names_the_key():

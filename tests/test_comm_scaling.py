@@ -19,8 +19,10 @@ from fp8jax.config import load_config
 from fp8jax.parallel import make_mesh
 from fp8jax.parallel.collectives import CommScaling, init_comm_scaling
 from fp8jax.train import TrainState, guards
-from fp8jax.train.balanced import (batch_sharding, fp8_scatter_dim, init_grad_comm_scaling,
-                                   layout_split, make_balanced_train_step, put_global)
+from fp8jax.parallel.layout import batch_sharding, layout_split, put_global
+from fp8jax.parallel.grad_comm import fp8_scatter_dim, init_grad_comm_scaling
+from fp8jax.train.resume import RunCheckpoints
+from fp8jax.train.step import GroupLoop, build_step, make_train_step
 from fp8jax.train.loop import Trainer
 from hetero_model import _LM, _state
 from test_hetero import _keep_gradient
@@ -53,12 +55,12 @@ def test_trainer_auto_scaling_tracks_native_checkpoints_and_resumes(tmp_path):
   steps = [r for r in records if "loss" in r]
   loss_auto = [r["loss"] for r in steps]
   # (a) it trains, like the native reduction from the same state on the same batches
-  native = trainer.zero.train_step(trainer.model.apply, trainer.tx, cfg.train.microbatches)
+  native = build_step(trainer.model.apply, trainer.tx, trainer.plan, cfg.train.microbatches)
   data = trainer.data.batches("train", cfg.train.microbatch_size, cfg.data.seq_len,
                               seed=cfg.data.seed)
   state, loss_native = start, []  # (the native step carries comm untouched)
   for _ in range(4):
-    state, m = native(state, trainer.zero.shard_batch(data.next()))
+    state, m = native(state, data.next())
     loss_native.append(float(m["loss"]))
   assert len(loss_auto) == 4 and np.all(np.isfinite(loss_auto))
   assert loss_auto[-1] < loss_auto[0] - 0.1, loss_auto
@@ -83,7 +85,7 @@ def test_trainer_auto_scaling_tracks_native_checkpoints_and_resumes(tmp_path):
   # restored comm = saved, and the continuation reproduces the uninterrupted run exactly
   trainer.checkpoints.wait()
   shutil.rmtree(ckpt / "4")
-  trainer.checkpoints = checkpoint_lib.CheckpointManager(ckpt, save_every=2)
+  trainer.checkpoints = RunCheckpoints(cfg, str(tmp_path / "run"))
   trainer.state = trainer.state._replace(comm=jax.device_put(
       init_comm_scaling(n_leaves), jax.tree.map(lambda x: x.sharding, trainer.state.comm)))
   assert trainer.resume() == 2
@@ -153,8 +155,9 @@ def test_saturation_halves_the_pre_scale_in_the_step_and_clean_steps_grow_it_bac
   sharding = batch_sharding(mesh)
   args = (put_global(layout_split(batch, MICROBATCHES, GROUPS), sharding),
           put_global(np.full((GROUPS,), MICROBATCHES, np.int32), sharding))
-  step = jax.jit(guards.skip_nonfinite_steps(make_balanced_train_step(
-      model.apply, tx, mesh, grad_comm="fp8", comm_scaling="auto", growth_interval=2)))
+  step = jax.jit(guards.skip_nonfinite_steps(make_train_step(
+      model.apply, tx, groups=GroupLoop(mesh, grad_comm="fp8", comm_scaling="auto",
+                                        growth_interval=2))))
   s1, m1 = step(state, *args)  # first step: current scaling records the amaxes
   c1 = jax.tree.map(np.asarray, s1.comm)
   assert np.all(c1.amax[fp8] > 0) and np.all(c1.amax[~fp8] == 0)
@@ -227,9 +230,8 @@ def test_comm_scaling_defaults_and_step_arguments():
   assert cfg.grad_comm_growth_interval() == 1000
   mesh = make_mesh(data=GROUPS)
   with pytest.raises(ValueError, match=r"comm_scaling='auto' needs grad_comm='fp8'"):
-    make_balanced_train_step(None, None, mesh, comm_scaling="auto")
+    GroupLoop(mesh, comm_scaling="auto")
   with pytest.raises(ValueError, match=r"comm_scaling='delayed' is not allowed"):
-    make_balanced_train_step(None, None, mesh, grad_comm="fp8", comm_scaling="delayed")
+    GroupLoop(mesh, grad_comm="fp8", comm_scaling="delayed")
   with pytest.raises(ValueError, match=r"growth_interval=0 is not allowed"):
-    make_balanced_train_step(None, None, mesh, grad_comm="fp8", comm_scaling="auto",
-                             growth_interval=0)
+    GroupLoop(mesh, grad_comm="fp8", comm_scaling="auto", growth_interval=0)

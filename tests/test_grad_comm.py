@@ -14,8 +14,9 @@ import pytest
 from fp8jax.config import load_config
 from fp8jax.parallel import make_mesh
 from fp8jax.parallel.zero import state_shardings
-from fp8jax.train.balanced import (batch_sharding, fp8_scatter_dim, layout_split,
-                                   make_balanced_train_step, put_global)
+from fp8jax.parallel.layout import batch_sharding, layout_split, put_global
+from fp8jax.parallel.grad_comm import fp8_scatter_dim
+from fp8jax.train.step import GroupLoop, build_step, make_train_step
 from fp8jax.train.loop import Trainer
 from conftest import rel_err
 from hetero_model import _LM, _state
@@ -34,7 +35,7 @@ def _batch(seed):
 
 
 def _step(model, tx, mesh, grad_comm, shardings=None):
-  step = make_balanced_train_step(model.apply, tx, mesh, grad_comm=grad_comm)
+  step = make_train_step(model.apply, tx, groups=GroupLoop(mesh, grad_comm=grad_comm))
   if shardings is None:
     return jax.jit(step)
   sharding = batch_sharding(mesh)
@@ -189,20 +190,20 @@ def test_trainer_o2_fp8_grad_comm_tracks_native(tmp_path):
   trainer = Trainer(cfg, progress=False)
   assert trainer.grad_comm == "fp8"
   state = jax.tree.map(jnp.copy, trainer.state)
-  step, place = trainer.fp8_step_parts(1)
+  built = trainer.compiled_step(1)
   batch = trainer.data.batches("train", cfg.train.microbatch_size, cfg.data.seq_len,
                                seed=cfg.data.seed).next()
-  hlo = step.lower(trainer.state, *place(batch)).compile().as_text()
+  hlo = built.jitted.lower(trainer.state, *built.place(batch)).compile().as_text()
   assert "u8[" in hlo and not _float_gathers(hlo, 64 * 64), _float_gathers(hlo, 64 * 64)
   trainer.run()
   records = [json.loads(l) for l in open(tmp_path / "tiny" / "metrics.jsonl")]
   loss_fp8 = [r["loss"] for r in records if "loss" in r]
-  native = trainer.zero.train_step(trainer.model.apply, trainer.tx, cfg.train.microbatches)
+  native = build_step(trainer.model.apply, trainer.tx, trainer.plan, cfg.train.microbatches)
   data = trainer.data.batches("train", cfg.train.microbatch_size, cfg.data.seq_len,
                               seed=cfg.data.seed)
   loss_native = []
   for _ in range(3):
-    state, m = native(state, trainer.zero.shard_batch(data.next()))
+    state, m = native(state, data.next())
     loss_native.append(float(m["loss"]))
   assert len(loss_fp8) == 3 and np.all(np.isfinite(loss_fp8))
   # Step 1 differs only where a GEMM has no amax history yet: its first scale comes from the

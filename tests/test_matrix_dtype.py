@@ -225,8 +225,8 @@ def test_trainer_bf16_matrices_are_bit_identical(tmp_path, monkeypatch, level, z
   Trainer's choice) and to f32: every state array bit-identical, on one device and under
   ZeRO over the 8 CPU devices."""
   from fp8jax.config import config_from_dict
-  from fp8jax.parallel import zero
   from fp8jax.train import loop
+  from fp8jax.train import step as step_lib
   states, asked = {}, []
   wide = False
 
@@ -234,9 +234,8 @@ def test_trainer_bf16_matrices_are_bit_identical(tmp_path, monkeypatch, level, z
     asked.append((wide, str(matrix_dtype)))
     return _f(*a, matrix_dtype=None if wide else matrix_dtype, **k)
 
-  for mod in (loop, zero):
-    monkeypatch.setattr(mod, "make_train_step",
-                        functools.partial(spy, _f=mod.make_train_step))
+  monkeypatch.setattr(step_lib, "make_train_step",
+                      functools.partial(spy, _f=step_lib.make_train_step))
   for wide in (False, True):
     cfg = config_from_dict({
         "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64, "max_seq_len": 16},
@@ -246,7 +245,7 @@ def test_trainer_bf16_matrices_are_bit_identical(tmp_path, monkeypatch, level, z
         "parallel": {} if zero_stage is None else {"zero_stage": zero_stage},
         "runtime": {"run_dir": str(tmp_path / str(wide))}})
     trainer = loop.Trainer(cfg, progress=False)
-    assert (trainer.zero is None) is (zero_stage is None)
+    assert trainer.plan.stage == (zero_stage or 0)
     for s in range(2):
       trainer.state, m = trainer.step_fn(2)(trainer.state, trainer.next_batch(s))
     assert np.isfinite(float(m["loss"]))

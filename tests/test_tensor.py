@@ -14,7 +14,7 @@ from fp8jax.config import config_from_dict
 from fp8jax.linen import FP8_COLLECTION
 from fp8jax.train.state import TrainState
 from fp8jax.parallel.tensor import tensor_dim
-from fp8jax.train.step import make_train_step
+from fp8jax.train.step import build_step, make_train_step
 from fp8jax.recipe import opt_level
 from test_zero import LEVEL, MICROBATCHES, _flat, _kernels_through_e4m3, _rel, _setup, batches
 
@@ -65,9 +65,9 @@ def tp_runs():
                              ("tp3", dict(data=2, fsdp=2, tensor=2), 3)):
     plan = parallel.plan(init(), parallel.make_mesh(**shape), stage, level=level)
     state = plan.shard_state(init())
-    step = plan.train_step(model.apply, tx, MICROBATCHES)
+    step = build_step(model.apply, tx, plan, MICROBATCHES)
     for b in data:
-      state, m = step(state, plan.shard_batch(b))
+      state, m = step(state, b)
     out[name] = (_flat(parallel.to_host(state.model_params())), float(m["loss"]), state, plan)
   return out
 
@@ -130,7 +130,7 @@ def test_trainer_runs_tensor_parallel(tmp_path):
     trainer = Trainer(cfg, progress=False)
     losses[name] = [trainer.run()["loss"]]
     if name == "tp":
-      assert dict(trainer.zero.mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
+      assert dict(trainer.plan.mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
   np.testing.assert_allclose(losses["tp"], losses["one"], rtol=2e-3)
 
 
@@ -142,8 +142,8 @@ def test_compiled_tensor_parallel_step_gathers_no_weights():
   from fp8jax.models.gpt import ModelConfig
   model, tx, init = _setup(ModelConfig(**{**TP_MODEL, "mlp": "swiglu"}), LEVEL)
   plan = parallel.plan(init(), parallel.make_mesh(data=4, tensor=2), 0, level=LEVEL)
-  hlo = plan.train_step(model.apply, tx, MICROBATCHES).lower(
-      plan.shard_state(init()), plan.shard_batch(batches(0)[0])).compile().as_text()
+  step = build_step(model.apply, tx, plan, MICROBATCHES)
+  hlo = step.jitted.lower(plan.shard_state(init()), *step.place(batches(0)[0])).compile().as_text()
   gathers = re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo)
   assert gathers and all(g.startswith(("s32", "u32", "(s32")) for g in gathers), gathers
   assert re.search(r"= f32\[32,32\]\S* all-reduce(?:-start)?\(", hlo)

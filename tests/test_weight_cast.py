@@ -175,8 +175,8 @@ def test_cast_once_trainer_is_bit_identical(tmp_path, monkeypatch, level, zero_s
     trainer = Trainer(cfg, progress=False)
     for s in range(3):
       trainer.state, m = trainer.step_fn(2)(trainer.state, trainer.next_batch(s))
-    assert np.isfinite(float(m["loss"])) and trainer._uncalibrated is False
-    assert (trainer.zero is None) is (zero_stage is None)
+    assert np.isfinite(float(m["loss"])) and trainer.calibration.pending is False
+    assert trainer.plan.stage == (zero_stage or 0)
     assert len(traced) == 2 * once  # the first (uncalibrated) and the calibrated step
     states[once] = jax.device_get(trainer.state)
   p0 = jax.tree.leaves(states[False].model_params())[0]

@@ -20,7 +20,7 @@ from fp8jax.models.gpt import GPT, ModelConfig
 from fp8jax.recipe import opt_level
 from fp8jax.train.optimizer import make_optimizer
 from fp8jax.train.state import TrainState
-from fp8jax.train.step import make_train_step
+from fp8jax.train.step import build_step, make_train_step
 
 LEVEL = opt_level("O3")
 TINY = ModelConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=16)
@@ -97,11 +97,11 @@ def runs():
   for stage, offload in ((1, False), (2, False), (3, True)):
     plan = parallel.plan(init(), mesh, stage, level=LEVEL, offload=offload)
     state = plan.shard_state(init())
-    step = plan.train_step(model.apply, tx, MICROBATCHES).lower(
-        state, plan.shard_batch(batches_[0])).compile()
+    built = build_step(model.apply, tx, plan, MICROBATCHES)
+    step = built.jitted.lower(state, *built.place(batches_[0])).compile()
     metrics = []
     for b in batches_:
-      state, m = step(state, plan.shard_batch(b))
+      state, m = step(state, *built.place(b))
       metrics.append(jax.device_get(m))
     out[(stage, offload)] = (_flat(parallel.to_host(state.model_params())), metrics, state,
                              step.as_text())
@@ -287,8 +287,8 @@ def test_trainer_runs_o3_sharded_with_offload(tmp_path):
                "train.eval_batches=1", "train.fp8_health_every=0", "train.log_every=1",
                "train.warmup_steps=0", f"runtime.run_dir={tmp_path}/{{name}}"]
   trainer = Trainer(load_config(None, overrides), progress=False)
-  assert dict(trainer.zero.mesh.shape) == {"data": 4, "fsdp": 2, "tensor": 1}
-  assert trainer.zero.compiler_options["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 2**20
+  assert dict(trainer.plan.mesh.shape) == {"data": 4, "fsdp": 2, "tensor": 1}
+  assert trainer.plan.compiler_options["xla_gpu_reduce_scatter_combine_threshold_bytes"] == 2**20
   final = trainer.run()
   assert np.isfinite(final["loss"]) and np.isfinite(final["val_loss"])
   state = trainer.state

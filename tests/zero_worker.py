@@ -13,6 +13,7 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 import numpy as np  # noqa: E402
 
 from fp8jax import parallel  # noqa: E402
+from fp8jax.train.step import build_step  # noqa: E402
 
 
 def main(seed: int, out: str) -> None:
@@ -22,9 +23,10 @@ def main(seed: int, out: str) -> None:
   model, tx, init = tz._setup()
   mesh = parallel.make_mesh()
   plan = parallel.plan(init(), mesh, 3, level=tz.LEVEL)
-  state, step = plan.shard_state(init()), plan.train_step(model.apply, tx, tz.MICROBATCHES)
+  state = plan.shard_state(init())
+  step = build_step(model.apply, tx, plan, tz.MICROBATCHES)
   for batch in tz.batches(seed):
-    state, metrics = step(state, plan.shard_batch(batch))
+    state, metrics = step(state, batch)
     assert np.isfinite(float(metrics["loss"]))  # a replicated scalar reads on every process
   params = tz._flat(parallel.to_host(state.model_params()))
   if jax.process_index() == 0:

@@ -4,8 +4,11 @@ offload, and ``initialize()`` for multi-host runs.
 * :mod:`fp8jax.parallel.mesh`: :func:`make_mesh` (axes "data", "fsdp", "tensor"; -1 fills),
   :func:`mesh_from_config`, :func:`device_kinds`, :func:`describe`.
 * :mod:`fp8jax.parallel.zero`: :func:`state_shardings`, :func:`plan` -> :class:`ZeroPlan`
-  (sharded state, batch, jitted train step), :func:`gather_params` (FP8 weight all-gather),
-  :func:`reduce_gradients` (the hook FP8 gradient collectives plug into).
+  (where the state lives, how weights are gathered and gradients laid out),
+  :func:`gather_params` (FP8 weight all-gather), :func:`reduce_gradients`.
+* :mod:`fp8jax.parallel.layout`: batch placement and data-parallel groups.
+* :mod:`fp8jax.parallel.grad_comm`: gradient sums over groups inside ``shard_map`` (f32 or
+  FP8 reduce-scatter with its scaling state).
 * :mod:`fp8jax.parallel.distributed`: :func:`initialize` (explicit arguments, the
   FP8JAX_* variables ``fp8jax launch`` sets, cluster auto-detection, or single process).
 * :mod:`fp8jax.parallel.combine`: ``reduce_bucket_size`` -> XLA combine-threshold flags.
@@ -17,15 +20,16 @@ offload, and ``initialize()`` for multi-host runs.
 """
 from fp8jax.parallel.distributed import initialize
 from fp8jax.parallel import combine
-from fp8jax.parallel.mesh import AXES, DATA, FSDP, TENSOR, describe, device_kinds, make_mesh, \
-    mesh_from_config, mesh_shape
-from fp8jax.parallel.zero import STAGES, ZERO_AXES, ZeroPlan, batch_sharding, device_bytes, \
-    gather_params, plan, reduce_gradients, shard_spec, state_shardings, to_host
+from fp8jax.parallel.layout import batch_sharding, put_global
+from fp8jax.parallel.mesh import AXES, BATCH_AXES, DATA, FSDP, TENSOR, describe, device_kinds, \
+    make_mesh, mesh_from_config, mesh_shape
+from fp8jax.parallel.zero import STAGES, ZERO_AXES, ZeroPlan, device_bytes, gather_params, \
+    plan, reduce_gradients, shard_spec, state_shardings, to_host
 
 __all__ = [
     "combine", "initialize",
-    "AXES", "DATA", "FSDP", "TENSOR", "describe", "device_kinds", "make_mesh",
+    "AXES", "BATCH_AXES", "DATA", "FSDP", "TENSOR", "describe", "device_kinds", "make_mesh",
     "mesh_from_config", "mesh_shape",
     "STAGES", "ZERO_AXES", "ZeroPlan", "batch_sharding", "device_bytes", "gather_params",
-    "plan", "reduce_gradients", "shard_spec", "state_shardings", "to_host",
+    "plan", "put_global", "reduce_gradients", "shard_spec", "state_shardings", "to_host",
 ]

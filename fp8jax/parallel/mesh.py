@@ -17,6 +17,7 @@ from jax.sharding import AxisType, Mesh
 
 DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
 AXES = (DATA, FSDP, TENSOR)
+BATCH_AXES = (DATA, FSDP)  # split the batch; every data-parallel rank (ZeRO shards over them)
 FILL = -1
 
 

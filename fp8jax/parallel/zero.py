@@ -1,5 +1,8 @@
 """ZeRO stages 1/2/3 as shardings of the train state, for a ``jax.jit`` step over a mesh.
 
+A :class:`ZeroPlan` says where every array of the state lives and how the step gathers
+weights and reduces gradients; the step itself is built by ``fp8jax.train.step``.
+
 What each stage shards over the ZeRO axes (default ``("data", "fsdp")``: every data-parallel
 rank, as DeepSpeed does; pass ``axes=("fsdp",)`` to shard within the fsdp axis only and
 replicate across "data", i.e. hybrid sharding):
@@ -22,10 +25,14 @@ Rule per array: shard the largest dimension divisible by the product of the ZeRO
 (the first such on ties); replicate arrays where none divides, scalars, and the FP8 meta.
 With a "tensor" axis, arrays a tensor-parallel rule names (:mod:`fp8jax.parallel.tensor`)
 also split one dimension over it, in every stage; the ZeRO rule then picks another dimension.
-The batch's first dimension is sharded over ("data", "fsdp").
+The batch's first dimension is sharded over ("data", "fsdp")
+(:func:`fp8jax.parallel.layout.batch_sharding`).
 
 Optimizer offload keeps the optimizer state in host memory (``pinned_host``) between steps;
-the jitted step moves it to the device, updates it and moves it back.
+the step moves it to the device, updates it and moves it back.
+
+The state is any NamedTuple with fields ``step``, ``params``, ``fp8``, ``opt_state``,
+``comm`` (``fp8jax.train.state.TrainState``).
 """
 from __future__ import annotations
 
@@ -36,19 +43,17 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fp8jax.optim.scaled import quantize_scaled
 from fp8jax.parallel.combine import combine_options
-from fp8jax.parallel.mesh import DATA, FSDP, TENSOR
+from fp8jax.parallel.layout import batch_sharding, put_global
+from fp8jax.parallel.mesh import BATCH_AXES, TENSOR
 from fp8jax.parallel.tensor import GPT_RULES, tensor_dim
 from fp8jax.params import leaf_name
-from fp8jax.train.state import TrainState
-from fp8jax.train.step import make_train_step
 
 STAGES = (0, 1, 2, 3)
-ZERO_AXES = (DATA, FSDP)
+ZERO_AXES = BATCH_AXES
 HOST_MEMORY = "pinned_host"
 FP8_GATHER_DTYPE = jnp.float8_e4m3fn
 
@@ -110,10 +115,10 @@ def replicated(tree, mesh: Mesh, rules: Sequence = GPT_RULES):
       tree)
 
 
-def state_shardings(state: TrainState, mesh: Mesh, stage: int, *,
+def state_shardings(state, mesh: Mesh, stage: int, *,
                     axes: Sequence[str] = ZERO_AXES, offload: bool = False,
-                    rules: Sequence = GPT_RULES) -> TrainState:
-  """A TrainState of NamedShardings for ZeRO `stage` (see the module docstring).
+                    rules: Sequence = GPT_RULES):
+  """`state` (arrays or shapes) with a NamedSharding in place of every leaf for ZeRO `stage` (see the module docstring).
 
   `offload` puts the optimizer state in host memory (needs stage >= 1).
   """
@@ -127,12 +132,8 @@ def state_shardings(state: TrainState, mesh: Mesh, stage: int, *,
          if stage >= 1 else replicated(state.opt_state, mesh, rules))
   fp8 = jax.tree.map(lambda _: NamedSharding(mesh, P()), state.fp8)  # scalars, histories
   comm = jax.tree.map(lambda _: NamedSharding(mesh, P()), state.comm)  # grad-comm scaling
-  return TrainState(NamedSharding(mesh, P()), params, fp8, opt, comm)
-
-
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Sequences (first dimension) sharded over ("data", "fsdp")."""
-  return NamedSharding(mesh, P((DATA, FSDP)))
+  return state._replace(step=NamedSharding(mesh, P()), params=params, fp8=fp8, opt_state=opt,
+                        comm=comm)
 
 
 def _constrain(tree, mesh: Mesh, axes, shard: bool, rules: Sequence = GPT_RULES):
@@ -217,13 +218,6 @@ def gather_params(params, mesh: Mesh, *, fp8_kernels: bool, payload_dtype=None,
   return jax.tree_util.tree_map_with_path(one, params)
 
 
-def _put(x, sharding: NamedSharding):
-  if jax.process_count() == 1:
-    return jax.device_put(x, sharding)
-  host = np.asarray(x)  # every process holds the same global value
-  return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
-
-
 @dataclasses.dataclass(frozen=True)
 class ZeroPlan:
   """How one train state is laid out and stepped over a mesh.
@@ -231,7 +225,7 @@ class ZeroPlan:
   Attributes:
     mesh: the device mesh.
     stage: ZeRO stage 0..3.
-    state: TrainState of NamedShardings (see :func:`state_shardings`).
+    state: the train state's NamedShardings (see :func:`state_shardings`).
     batch: NamedSharding of a batch int32[B, T+1].
     axes: mesh axes the ZeRO state is sharded over.
     offload: optimizer state kept in host memory between steps.
@@ -242,7 +236,7 @@ class ZeroPlan:
 
   mesh: Mesh
   stage: int
-  state: TrainState
+  state: Any
   batch: NamedSharding
   axes: tuple[str, ...] = ZERO_AXES
   offload: bool = False
@@ -251,13 +245,13 @@ class ZeroPlan:
   compiler_options: dict | None = None
   rules: tuple = GPT_RULES
 
-  def shard_state(self, state: TrainState) -> TrainState:
+  def shard_state(self, state):
     """`state` (same value on every process) placed on the mesh."""
-    return jax.tree.map(_put, state, self.state)
+    return jax.tree.map(put_global, state, self.state)
 
   def shard_batch(self, batch) -> jax.Array:
     """A global batch int32[B, T+1] (same on every process) placed on the mesh."""
-    return _put(batch, self.batch)
+    return put_global(batch, self.batch)
 
   def gather_fn(self) -> Callable | None:
     """Stage 3: ``params -> params`` all-gathering the forward weights as :func:`gather_params`
@@ -268,46 +262,34 @@ class ZeroPlan:
                                    payload_dtype=self.payload_dtype, axes=self.axes,
                                    rules=self.rules)
 
-  def train_step(self, apply_fn: Callable, tx: optax.GradientTransformation,
-                 microbatches: int = 1, donate: bool = True, wrap: Callable | None = None,
-                 cast_weights: Callable | None = None, matrix_dtype=None):
-    """The jitted ``step(state, batch) -> (state, metrics)`` with this plan's shardings
-    (inputs sharded as :attr:`state` / :attr:`batch`; the state is donated). `wrap`, if
-    given, wraps the unsharded step function first (e.g.
-    ``fp8jax.train.guards.skip_nonfinite_steps``). `cast_weights`, `matrix_dtype`: as for
-    ``make_train_step`` (stages 0-2; stage 3 gathers its weights per microbatch)."""
-    mesh, axes = self.mesh, self.axes
-    gather = self.gather_fn()
-    reduce = None
-    if self.stage >= 1:
-      reduce = lambda g: reduce_gradients(g, mesh, self.stage, axes, self.rules)
-    step = make_train_step(apply_fn, tx, microbatches, gather_params=gather,
-                           reduce_gradients=reduce, cast_weights=cast_weights,
-                           matrix_dtype=matrix_dtype)
-    if wrap is not None:
-      step = wrap(step)
-    host = self.state.opt_state
+  def reduce_fn(self) -> Callable | None:
+    """Stages 1-3: ``grads -> grads`` laying parameter gradients out as
+    :func:`reduce_gradients` does (all-reduced, or reduce-scattered from stage 2); None at
+    stage 0 (XLA all-reduces them where the replicated update needs them)."""
+    if self.stage < 1:
+      return None
+    return lambda g: reduce_gradients(g, self.mesh, self.stage, self.axes, self.rules)
 
-    def sharded_step(state: TrainState, batch):
-      if self.offload:  # host -> device for the update
-        dev = jax.tree.map(lambda s: s.with_memory_kind("device"), host)
-        state = state._replace(opt_state=jax.device_put(state.opt_state, dev))
-      new, metrics = step(state, batch)
-      if self.offload:  # device -> host until the next step
-        new = new._replace(opt_state=jax.device_put(new.opt_state, host))
-      return new, metrics
+  def to_device(self, state):
+    """`state` with an offloaded optimizer state moved to device memory (inside a step)."""
+    if not self.offload:
+      return state
+    dev = jax.tree.map(lambda s: s.with_memory_kind("device"), self.state.opt_state)
+    return state._replace(opt_state=jax.device_put(state.opt_state, dev))
 
-    metrics = NamedSharding(mesh, P())
-    return jax.jit(sharded_step, in_shardings=(self.state, self.batch),
-                   out_shardings=(self.state, metrics), donate_argnums=0 if donate else (),
-                   compiler_options=self.compiler_options or None)
+  def to_home(self, state):
+    """`state` with its optimizer state moved back where it lives between steps."""
+    if not self.offload:
+      return state
+    return state._replace(opt_state=jax.device_put(state.opt_state, self.state.opt_state))
 
 
-def plan(state: TrainState, mesh: Mesh, stage: int, *, level=None, offload: bool = False,
+def plan(state, mesh: Mesh, stage: int, *, level=None, offload: bool = False,
          axes: Sequence[str] = ZERO_AXES, reduce_bucket_size: int | None = None,
          allgather_bucket_size: int | None = None,
          tensor_rules: Sequence = GPT_RULES) -> ZeroPlan:
-  """The :class:`ZeroPlan` of `state` for ZeRO `stage` on `mesh`.
+  """The :class:`ZeroPlan` of `state` (arrays or ``jax.ShapeDtypeStruct``s) for ZeRO `stage`
+  on `mesh`.
 
   `level` (an ``fp8jax.OptLevel``) decides how stage 3 gathers: FP8 kernels when it has FP8
   GEMMs, other parameters in its master dtype when that is narrower than f32. The bucket
@@ -321,7 +303,7 @@ def plan(state: TrainState, mesh: Mesh, stage: int, *, level=None, offload: bool
   shardings = state_shardings(state, mesh, stage, axes=axes, offload=offload, rules=rules)
   fp8_gather = level is not None and level.fp8_gemms
   payload = None
-  if level is not None and np.dtype(level.master_dtype).itemsize < 4:
+  if level is not None and level.scaled_master:
     payload = np.dtype(level.master_dtype)
   return ZeroPlan(mesh, check_stage(stage), shardings, batch_sharding(mesh), axes, offload,
                   fp8_gather, payload, options, rules)

@@ -1,5 +1,7 @@
-"""Training: state, step (microbatches, clipping, optimizer, FP8 state), metrics, loop."""
-from fp8jax.train.state import TrainState
-from fp8jax.train.step import cross_entropy, make_eval_step, make_train_step
+"""Training: state, step (one builder of small pieces), metrics, guards, the Trainer loop."""
+from fp8jax.train.state import TrainState, init_state
+from fp8jax.train.step import (GroupLoop, TrainStep, build_step, cross_entropy, make_eval_step,
+                               make_train_step, next_token_loss)
 
-__all__ = ["TrainState", "cross_entropy", "make_eval_step", "make_train_step"]
+__all__ = ["GroupLoop", "TrainState", "TrainStep", "build_step", "cross_entropy", "init_state",
+           "make_eval_step", "make_train_step", "next_token_loss"]

@@ -1,23 +1,27 @@
-"""A run's model and optimizer from its :class:`fp8jax.config.Config` (one place for all
-users: the Trainer, the device profiler, benchmarks)."""
+"""A run's pieces from its :class:`fp8jax.config.Config`: model, optimizer, mesh, ZeRO plan,
+the fused update, and the step of each microbatch count (one place for all users: the
+Trainer, the device profiler, benchmarks)."""
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, Sequence
 
+import jax
 import jax.numpy as jnp
 
-from fp8jax import linen
+from fp8jax import linen, parallel
 from fp8jax.dot import native_fp8_reason
-from fp8jax.models.gpt import GPT, ModelConfig
-from fp8jax.train.optimizer import lr_schedule, make_optimizer
+from fp8jax.models.gpt import GPT
+from fp8jax.parallel.layout import group_count
+from fp8jax.parallel.zero import ZeroPlan
+from fp8jax.train.optimizer import lr_schedule, make_fused_update, make_optimizer
+from fp8jax.train.step import TrainStep, build_step
 
 
 def model_and_optimizer(config):
   """(GPT at the config's level, learning-rate schedule, optax optimizer with clipping)."""
   level, t = config.level(), config.train
-  model = GPT(ModelConfig(**dataclasses.asdict(config.model)), level.recipe)
+  model = GPT(config.model.model_config(), level.recipe)
   schedule = lr_schedule(t.learning_rate, t.warmup_steps, t.steps, t.min_lr_ratio)
   tx = make_optimizer(schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
                       clip_norm=t.gradient_clipping, level=level)
@@ -33,12 +37,6 @@ def calibration_on(config) -> bool:
   return mode == "always" or native_fp8_reason() is None
 
 
-def calibrated(model: GPT) -> GPT:
-  """`model` whose casts trust their stored scales (every FP8 state must have observed a
-  tensor first, e.g. after one step of `model`)."""
-  return model.clone(recipe=model.recipe.replace(calibrated=True))
-
-
 def weight_cast_fn(config, model: GPT, microbatches: int) -> Callable | None:
   """fp8.cast_weights_once resolved for a step of `microbatches`: ``variables -> {collection:
   FP8 weight casts}`` (``fp8jax.linen.cast_weights`` with `model`'s recipe and compute dtype)
@@ -48,3 +46,73 @@ def weight_cast_fn(config, model: GPT, microbatches: int) -> Callable | None:
     return None
   return functools.partial(linen.cast_weights, recipe=model.recipe,
                            dtype=jnp.dtype(model.config.dtype))
+
+
+def zero_plan(config, abstract_state) -> ZeroPlan:
+  """Where `abstract_state` lives on the config's mesh (every process's devices; one device
+  is a mesh of one) and how its step gathers and reduces (``fp8jax.parallel.plan``)."""
+  p = config.parallel
+  mesh = parallel.mesh_from_config(p)
+  if config.grad_comm() == "fp8" and group_count(mesh) < 2:
+    raise ValueError("parallel.grad_comm='fp8' needs at least 2 data-parallel ranks; this "
+                     f"run has {parallel.describe(mesh)}; use parallel.grad_comm "
+                     "'native' / 'auto' or more devices")
+  return parallel.plan(abstract_state, mesh, config.zero_stage(), level=config.level(),
+                       offload=p.offload_optimizer, reduce_bucket_size=p.reduce_bucket_size,
+                       allgather_bucket_size=p.allgather_bucket_size)
+
+
+def fused_update_fn(config, schedule, plan: ZeroPlan) -> Callable | None:
+  """train.fused_optimizer resolved: the fused O2 update (one kernel per tensor) or None.
+  It runs on unsharded arrays: one device, ZeRO stage 0, FP16 master weights; ``auto`` takes
+  it there on GPUs. ValueError when ``true`` is asked for elsewhere."""
+  t, level = config.train, config.level()
+  single = plan.mesh.size == 1 and plan.stage == 0
+  if t.fused_optimizer is True and not single:
+    raise ValueError("train.fused_optimizer=True runs on one device (unsharded arrays); this "
+                     f"run has {parallel.describe(plan.mesh)}, ZeRO stage {plan.stage}; use "
+                     "train.fused_optimizer false or one device")
+  use = t.fused_optimizer is True or (t.fused_optimizer == "auto" and level.fused_update
+                                      and single and jax.default_backend() == "gpu")
+  if not use:
+    return None
+  return make_fused_update(schedule, b1=t.b1, b2=t.b2, eps=t.eps,
+                           weight_decay=t.weight_decay, clip_norm=t.gradient_clipping)
+
+
+class StepCache:
+  """The run's compiled train steps, one per (model, microbatch count).
+
+  Args:
+    config: the run's config (gradient communication, weight casts, compute dtype).
+    tx: the optimizer; plan: the ZeRO plan; fused_update: from :func:`fused_update_fn`.
+    counts_fn: optional ``microbatches -> counts per data-parallel group`` (balanced runs,
+      ``parallel.device_map``); None: every group runs every microbatch.
+  """
+
+  def __init__(self, config, tx, plan: ZeroPlan, fused_update: Callable | None = None,
+               counts_fn: Callable[[int], Sequence[int]] | None = None):
+    self.config, self.tx, self.plan = config, tx, plan
+    self.fused_update, self.counts_fn = fused_update, counts_fn
+    self._steps: dict = {}
+
+  def get(self, model, microbatches: int) -> TrainStep:
+    """The jitted step of `model` for `microbatches` microbatches (built once)."""
+    key = (id(model), microbatches)
+    if key not in self._steps:
+      c = self.config
+      self._steps[key] = (model, build_step(
+          model.apply, self.tx, self.plan, microbatches,
+          counts=None if self.counts_fn is None else self.counts_fn(microbatches),
+          microbatch_size=c.train.microbatch_size, grad_comm=c.grad_comm(),
+          comm_scaling=c.parallel.grad_comm_scaling,
+          growth_interval=c.grad_comm_growth_interval(), fused_update=self.fused_update,
+          cast_weights=weight_cast_fn(c, model, microbatches), matrix_dtype=c.model.dtype))
+    return self._steps[key][1]
+
+  def clear(self) -> None:
+    self._steps = {}
+
+  def built(self) -> list[tuple]:
+    """(model, microbatches) of every step built so far."""
+    return [(m, k[1]) for k, (m, _) in self._steps.items()]

@@ -171,6 +171,19 @@ class Heartbeat:
     self._thread.join(timeout=5)
 
 
+class NoHeartbeat:
+  """A :class:`Heartbeat` that watches nothing (heartbeat off)."""
+
+  def beat(self) -> None:
+    pass
+
+  def __enter__(self) -> "NoHeartbeat":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    pass
+
+
 class Preemption:
   """While active (a context manager in the main thread), SIGTERM sets :attr:`requested`
   instead of killing the process; the previous handler comes back on exit."""
@@ -196,5 +209,5 @@ class Preemption:
     self._old = {}
 
 
-__all__ = ["DivergenceWatchdog", "Heartbeat", "Preemption", "STALL_EXIT_CODE", "SkipCounter",
+__all__ = ["DivergenceWatchdog", "Heartbeat", "NoHeartbeat", "Preemption", "STALL_EXIT_CODE", "SkipCounter",
            "skip_nonfinite_steps"]

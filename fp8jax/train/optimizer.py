@@ -1,12 +1,11 @@
 """The optimizer of a level: clipping, AdamW with warmup + cosine, decay mask."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from fp8jax import optim as fp8_optim
+from fp8jax.optim.fused import adamw_master_step
 from fp8jax.params import gemm_weight_mask
 from fp8jax.recipe import O1, OptLevel
 
@@ -28,7 +27,7 @@ def make_optimizer(schedule, *, b1: float, b2: float, eps: float, weight_decay: 
                    clip_norm: float, level: OptLevel = O1) -> optax.GradientTransformation:
   """Global-norm clipping (`clip_norm` 0 disables) then AdamW: optax's with f32 states at
   O0/O1, ``fp8jax.optim.adamw`` with the level's moment dtypes at O2/O3."""
-  if np.dtype(level.mu_dtype) == np.dtype(np.float32):
+  if not level.scaled_moments:
     adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
                         mask=decay_mask)
   else:
@@ -44,8 +43,6 @@ def make_fused_update(schedule, *, b1: float, b2: float, eps: float, weight_deca
   :func:`fp8jax.optim.fused.adamw_master_step` (one kernel per tensor on a GPU; the clipping
   factor comes from `grad_norm`). A step with `finite` False (bool[]) changes nothing.
   `opt_state` has :func:`make_optimizer`'s structure, so either path resumes the other's."""
-  from fp8jax.optim.fused import adamw_master_step
-
   def update(master, opt_state, grads, finite, grad_norm):
     adam_state = opt_state[1] if clip_norm > 0 else opt_state
     factor = None

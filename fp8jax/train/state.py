@@ -1,15 +1,14 @@
 """The train state: a plain pytree of everything a step reads and writes."""
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
-
 import jax.numpy as jnp
-import numpy as np
 
 from fp8jax.linen import FP8_COLLECTION
 from fp8jax.optim import MasterWeights, init_master, master_params
+from fp8jax.parallel.grad_comm import init_grad_comm_scaling
 
 
 class TrainState(NamedTuple):
@@ -45,14 +44,34 @@ class TrainState(NamedTuple):
             **({FP8_COLLECTION: self.fp8} if self.fp8 else {})}
 
 
-def init_state(model, tx, level, batch_size: int, seq_len: int, seed: int) -> TrainState:
-  """A fresh TrainState: `model` initialised on int32[batch_size, seq_len] tokens with
-  ``jax.random.key(seed)``, `tx`'s state, FP16 master weights where `level` keeps them."""
-  tokens = jnp.zeros((batch_size, seq_len), jnp.int32)
-  variables = jax.jit(model.init)(jax.random.key(seed), tokens)  # one compile
-  params = variables["params"]
-  opt_state = tx.init(params)
-  if np.dtype(level.master_dtype) != np.dtype(np.float32):  # O2/O3: FP16 master weights
-    params = init_master(params, level.master_dtype)
-  return TrainState(jnp.zeros((), jnp.int32), params, variables.get(FP8_COLLECTION, {}),
-                    opt_state)
+def state_init_fn(model, tx, level, batch_size: int, seq_len: int, seed: int, *,
+                  comm_scaling: bool = False) -> Callable[[], TrainState]:
+  """``() -> TrainState``: `model` initialised on int32[batch_size, seq_len] tokens with
+  ``jax.random.key(seed)``, `tx`'s state, FP16 master weights where `level` keeps them, and
+  with `comm_scaling` a fresh FP8 gradient-communication scaling state (one entry per
+  parameter). Traceable: ``jax.eval_shape`` of it is the abstract state."""
+  def init() -> TrainState:
+    tokens = jnp.zeros((batch_size, seq_len), jnp.int32)
+    variables = model.init(jax.random.key(seed), tokens)
+    params = variables["params"]
+    opt_state = tx.init(params)
+    comm = init_grad_comm_scaling(params) if comm_scaling else ()
+    if level.scaled_master:  # O2/O3: FP16 master weights
+      params = init_master(params, level.master_dtype)
+    return TrainState(jnp.zeros((), jnp.int32), params, variables.get(FP8_COLLECTION, {}),
+                      opt_state, comm)
+  return init
+
+
+def init_state(model, tx, level, batch_size: int, seq_len: int, seed: int, *,
+               comm_scaling: bool = False,
+               shardings: Callable[[TrainState], Any] | None = None) -> TrainState:
+  """A fresh TrainState (see :func:`state_init_fn`), computed in one jitted program.
+
+  `shardings`: optional ``abstract state -> TrainState of shardings`` (e.g. from
+  ``fp8jax.parallel.plan`` of the abstract state): every array is then created directly in
+  its sharding, so no device ever holds the whole unsharded state. Default: one device.
+  """
+  init = state_init_fn(model, tx, level, batch_size, seq_len, seed, comm_scaling=comm_scaling)
+  out = None if shardings is None else shardings(jax.eval_shape(init))
+  return jax.jit(init, out_shardings=out)()

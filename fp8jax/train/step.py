@@ -1,21 +1,51 @@
-"""One training step: microbatch accumulation, clipping and update, FP8 state by max.
+"""The train step, composed of small pieces.
 
-The batch is split into `microbatches` equal parts and scanned over; parameter gradients are
-summed then averaged, FP8 state updates combine by max (``fp8jax.accumulate_gradients``), so
-the step's gradient equals the full batch's and its FP8 state reflects the largest amax seen.
-Clipping, weight decay and the learning-rate schedule live in the optax transform `tx`.
+One step ``(state, batch[, counts]) -> (state, metrics)`` is put together from:
+
+* weight gather (ZeRO-3: ``gather_params``, FP8 kernels as E4M3 + scale; none below);
+* the microbatch loop: :func:`scan_microbatches` (every device runs the same static number of
+  microbatches of the global batch, XLA places the collectives) or :func:`group_microbatches`
+  (inside ``jax.shard_map``: each data-parallel group loops over its own number of
+  microbatches with no collective in the loop, then one reduction);
+* gradient reduction: ZeRO's layout constraint (``reduce_gradients``) in the scanned loop, or
+  :func:`fp8jax.parallel.grad_comm.reduce_over_groups` (f32 or FP8 with its scaling state)
+  after the group loop;
+* the update: :func:`apply_gradients` (the optax transform plus FP16 master weights, or the
+  fused O2 update);
+* guards: ``fp8jax.train.guards.skip_nonfinite_steps``.
+
+:func:`make_train_step` composes them into a jittable function; :func:`build_step` jits it on a
+``fp8jax.parallel.ZeroPlan`` (shardings, donation, optimizer offload) together with the
+placement of a host batch, as a :class:`TrainStep`.
+
+Gradients: parameter gradients are summed over microbatches in f32 and divided by their
+count (every microbatch holds the same number of tokens, so this is the full batch's mean-loss
+gradient); FP8 state updates combine by max (``fp8jax.accumulate_gradients``). Clipping, weight
+decay and the learning-rate schedule live in the optax transform `tx`.
 """
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+import functools
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
 
 from fp8jax.accumulate import accumulate_gradients, accumulator_zeros, widen
 from fp8jax.linen import FP8_COLLECTION, apply_fp8_updates
 from fp8jax.optim import MasterWeights, apply_master_updates
+from fp8jax.parallel import grad_comm as grad_comm_lib
+from fp8jax.parallel import layout
+from fp8jax.parallel.collectives import CommScaling
+from fp8jax.parallel.mesh import BATCH_AXES
+from fp8jax.parallel.zero import ZeroPlan
+from fp8jax.scaling import combine_max
+from fp8jax.train import guards
 from fp8jax.train.state import TrainState
 
 
@@ -25,42 +55,152 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
   return jnp.mean(losses)
 
 
-def _loss(apply_fn: Callable, variables, batch):
-  """batch int32[B, T+1] -> mean loss of predicting batch[:, 1:] from batch[:, :-1]."""
+def next_token_loss(apply_fn: Callable, variables, batch) -> jax.Array:
+  """batch int32[B, T+1] -> mean loss (f32 nats) of predicting batch[:, 1:] from
+  batch[:, :-1] with ``apply_fn(variables, tokens[B, T]) -> logits[B, T, V]``."""
   return cross_entropy(apply_fn(variables, batch[:, :-1]), batch[:, 1:])
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupLoop:
+  """The per-group microbatch loop's settings (see :func:`group_microbatches`).
+
+  Attributes:
+    mesh: the device mesh; groups are its positions along `axes` (other axes replicate).
+    axes: the mesh axes that split the batch.
+    grad_comm: "native" (f32 psum of the groups' sums) or "fp8" (FP8 reduce-scatter to the
+      ZeRO layout, :mod:`fp8jax.parallel.grad_comm`).
+    comm_scaling: "current" or "auto" (FP8-LM automatic scaling from ``state.comm``; needs
+      grad_comm "fp8").
+    growth_interval: clean steps before "auto" doubles a pre-scale.
+  """
+
+  mesh: Mesh
+  axes: tuple[str, ...] = BATCH_AXES
+  grad_comm: str = "native"
+  comm_scaling: str = "current"
+  growth_interval: int = 1000
+
+  def __post_init__(self):
+    grad_comm_lib.check_options(self.grad_comm, self.comm_scaling, self.growth_interval)
+    object.__setattr__(self, "axes", layout.group_axes(self.mesh, self.axes))
+
+  @property
+  def groups(self) -> int:
+    return layout.group_count(self.mesh, self.axes)
+
+  @property
+  def auto(self) -> bool:
+    return self.comm_scaling == "auto"
+
+
+def scan_microbatches(grad_fn: Callable, variables, batch, microbatches: int):
+  """The uniform loop: `batch` int32[B, T+1] split into `microbatches` equal parts, scanned.
+
+  `grad_fn(variables, part) -> (loss, grads)`. Returns (mean loss, mean parameter gradients
+  in f32 and FP8 state combined by max)."""
+  if batch.shape[0] % microbatches:
+    raise ValueError(f"batch of {batch.shape[0]} sequences does not split into "
+                     f"{microbatches} microbatches")
+  if microbatches == 1:  # no accumulator: the gradient as it comes
+    return grad_fn(variables, batch)
+  parts = batch.reshape(microbatches, batch.shape[0] // microbatches, *batch.shape[1:])
+
+  def body(carry, part):
+    loss_sum, acc = carry
+    loss, g = grad_fn(variables, part)
+    return (loss_sum + loss, accumulate_gradients(acc, g)), None
+
+  (loss_sum, acc), _ = lax.scan(
+      body, (jnp.zeros((), jnp.float32), accumulator_zeros(variables)), parts)
+  acc = {**acc, "params": jax.tree.map(lambda g: g / microbatches, acc["params"])}
+  return loss_sum / microbatches, acc
+
+
+def _max_over_groups(tree, axes):
+  """FP8 state combined by max over the groups (a group that ran nothing adds nothing)."""
+  stacked = lax.all_gather(tree, axes)
+  groups = jax.tree.leaves(stacked)[0].shape[0]
+  return functools.reduce(combine_max, [jax.tree.map(lambda x: x[j], stacked)
+                                        for j in range(groups)])
+
+
+def group_microbatches(grad_fn: Callable, loop: GroupLoop, variables, batch, counts, repeats,
+                       comm):
+  """One group's loop over its own microbatches, then the one cross-group reduction (call
+  inside ``shard_map`` over `loop.axes`).
+
+  Args:
+    grad_fn: ``(variables, part int32[m, T+1]) -> (loss, grads)``.
+    batch: int32[1, n, m, T+1], this group's slots; counts, repeats: int32[1].
+    repeats: extra forward+backward passes per microbatch whose results are added times zero
+      (a slowdown hook for tests and benchmarks: same program, different data).
+    comm: ``CommScaling`` (grad_comm "fp8", comm_scaling "auto") or None.
+  Returns (mean loss, gradients, new comm).
+  """
+  batch, count, repeat = batch[0], counts[0], repeats[0]
+
+  def extra_work(part, carry):
+    def again(_, c):
+      shift, acc = c
+      moved = jax.tree.map(lambda v: v + shift.astype(v.dtype), variables)
+      loss, g = grad_fn(moved, part)
+      return 0.0 * loss, jax.tree.map(lambda a, b: a + 0.0 * b.astype(a.dtype), acc, g)
+    return lax.fori_loop(0, repeat, again, (jnp.zeros((), jnp.float32), carry))[1]
+
+  def one(i, carry):
+    loss_sum, acc = carry
+    part = lax.dynamic_index_in_dim(batch, i, keepdims=False)
+    loss, g = grad_fn(variables, part)
+    return loss_sum + loss, extra_work(part, accumulate_gradients(acc, g))
+
+  loss_sum, acc = lax.fori_loop(0, count, one,
+                                (jnp.zeros((), jnp.float32), accumulator_zeros(variables)))
+  total, loss_sum = lax.psum((count.astype(jnp.float32), loss_sum), loop.axes)
+  params, comm = grad_comm_lib.reduce_over_groups(acc["params"], loop.axes, loop.grad_comm,
+                                                  comm, loop.growth_interval)
+  params = jax.tree.map(lambda g: g / total.astype(g.dtype), params)
+  rest = {k: v for k, v in acc.items() if k != "params"}
+  grads = {**(_max_over_groups(rest, loop.axes) if rest else {}), "params": params}
+  return loss_sum / total, grads, comm
+
+
 def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microbatches: int = 1,
-                    *, gather_params: Callable | None = None,
+                    *, groups: GroupLoop | None = None,
+                    gather_params: Callable | None = None,
                     reduce_gradients: Callable | None = None,
                     fused_update: Callable | None = None,
                     cast_weights: Callable | None = None,
                     matrix_dtype=None):
-  """A jittable ``step(state, batch) -> (state, metrics)``.
+  """A jittable train step.
+
+  Without `groups`: ``step(state, batch int32[B, T+1]) -> (state, metrics)`` running
+  :func:`scan_microbatches`. With `groups`: ``step(state, batch int32[G, n, m, T+1],
+  counts int32[G], repeats int32[G] | None = None)`` running :func:`group_microbatches` inside
+  ``shard_map`` (batch and counts sharded over the groups: ``fp8jax.parallel.layout``).
 
   Args:
     apply_fn: ``apply_fn(variables, tokens[B, T]) -> logits[B, T, V]``.
     tx: the optimizer (including clipping); it sees parameters only.
-    microbatches: equal parts the batch is split into (must divide its first dimension).
+    microbatches: equal parts the batch is split into (uniform loop; must divide B).
+    groups: run the per-group loop with these settings.
     gather_params: optional ``params -> params`` applied before the forward (ZeRO-3's weight
-      all-gather, ``fp8jax.parallel.zero``); differentiable.
-    reduce_gradients: optional ``grads -> grads`` applied to each microbatch's parameter
-      gradients (ZeRO's all-reduce / reduce-scatter layout); they reach it in f32.
+      all-gather, ``ZeroPlan.gather_fn``): differentiated in the uniform loop (its gradient is
+      reduce-scattered back); applied once before ``shard_map`` in the group loop.
+    reduce_gradients: optional ``grads -> grads`` applied to each microbatch's f32 parameter
+      gradients (uniform loop: ZeRO's all-reduce / reduce-scatter layout).
     fused_update: optional ``(master, opt_state, grads, finite, grad_norm) -> (master,
       opt_state)`` replacing `tx` plus ``apply_master_updates`` for FP16 master weights
-      (:func:`fp8jax.train.optimizer.make_fused_update`); `finite` (bool[]): loss and
-      gradient norm are finite, else the update changes nothing.
-    cast_weights: optional ``variables -> extra collections`` computed once per step, before
-      the microbatch loop, and applied with every microbatch
-      (``functools.partial(fp8jax.linen.cast_weights, recipe=..., dtype=...)``: FP8 weights
-      cast once per optimizer step, not once per microbatch); not with `gather_params`.
-    matrix_dtype: optional dtype the FP16 master weights' GEMM weights (leaves named kernel
-      or embedding, ``fp8jax.params``) are decoded to for the forward and backward: the
-      model's compute dtype (BF16), exact for a model that casts them to it before use, as
-      fp8jax's GPT does. The decoded copy and its gradient then take 2 bytes per parameter
-      instead of 4 each; gradients are still summed over microbatches, reduced and clipped
-      in f32. No effect on plain (O0/O1) params; not with `gather_params`.
-  Metrics: loss (mean over the batch), grad_norm (before clipping).
+      (:func:`fp8jax.train.optimizer.make_fused_update`).
+    cast_weights: optional ``variables -> extra collections`` computed once per step before
+      the microbatch loop (``fp8jax.linen.cast_weights``: FP8 weights cast once per optimizer
+      step, not once per microbatch); uniform loop only, not with `gather_params`.
+    matrix_dtype: optional dtype the FP16 master weights' GEMM weights are decoded to for the
+      forward and backward (the model's compute dtype, exact for a model that casts them to
+      it before use); gradients are still summed, reduced and clipped in f32. Uniform loop
+      only, not with `gather_params`.
+  Metrics: loss (mean over the step's tokens), grad_norm (before clipping); with automatic
+  comm scaling also comm_pre_scale_min and comm_saturated_max over the FP8 leaves.
   """
   if microbatches < 1:
     raise ValueError(f"microbatches={microbatches!r} is not allowed; use an integer >= 1")
@@ -72,44 +212,65 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
                      "master weights' payloads itself")
   if matrix_dtype is not None and not jnp.issubdtype(jnp.dtype(matrix_dtype), jnp.floating):
     raise ValueError(f"matrix_dtype={matrix_dtype!r} is not a floating dtype")
+  if groups is not None and (cast_weights, matrix_dtype, reduce_gradients) != (None,) * 3:
+    raise ValueError("cast_weights, matrix_dtype and reduce_gradients belong to the uniform "
+                     "loop; the group loop reduces through groups.grad_comm")
 
-  def loss_of(variables, batch, extra):
-    if gather_params is not None:
-      variables = {**variables, "params": gather_params(variables["params"])}
-    return _loss(apply_fn, {**variables, **extra}, batch)
-
-  def grads(variables, batch, extra):
-    loss, g = jax.value_and_grad(loss_of)(variables, batch, extra)
+  def grad_fn(variables, part, extra=None, gather=None):
+    def loss_of(v):
+      if gather is not None:
+        v = {**v, "params": gather(v["params"])}
+      return next_token_loss(apply_fn, {**v, **(extra or {})}, part)
+    loss, g = jax.value_and_grad(loss_of)(variables)
     if reduce_gradients is not None:
       g = {**g, "params": reduce_gradients(jax.tree.map(widen, g["params"]))}
     return loss, g
 
-  def step(state: TrainState, batch):
-    if batch.shape[0] % microbatches:
-      raise ValueError(f"batch of {batch.shape[0]} sequences does not split into "
-                       f"{microbatches} microbatches")
+  def uniform(state: TrainState, batch):
     variables = state.variables(matrix_dtype)  # decoded once, for every microbatch
     extra = {}
     if cast_weights is not None:  # once, for every microbatch
       extra = cast_weights(jax.lax.stop_gradient(variables))
-    if microbatches == 1:  # no accumulator: the gradient as it comes
-      loss, g = grads(variables, batch, extra)
-      if fused_update is None:  # the fused update reads narrow gradients itself
-        g = {**g, "params": jax.tree.map(widen, g["params"])}
-      return apply_gradients(state, tx, g, loss, fused_update)
-    parts = batch.reshape(microbatches, batch.shape[0] // microbatches, *batch.shape[1:])
+    loss, grads = scan_microbatches(
+        functools.partial(grad_fn, extra=extra, gather=gather_params), variables, batch,
+        microbatches)
+    if microbatches == 1 and fused_update is None:  # the fused update reads narrow grads
+      grads = {**grads, "params": jax.tree.map(widen, grads["params"])}
+    return apply_gradients(state, tx, grads, loss, fused_update)
 
-    def body(carry, part):
-      loss_sum, acc = carry
-      loss, g = grads(variables, part, extra)
-      return (loss_sum + loss, accumulate_gradients(acc, g)), None
+  def per_group(state: TrainState, batch, counts, repeats=None):
+    if repeats is None:
+      repeats = jnp.zeros_like(counts)
+    variables = state.variables()
+    if gather_params is not None:  # not differentiated: gradients are taken inside
+      variables = {**variables, "params": gather_params(variables["params"])}
+    comm = state.comm if groups.auto else None
+    if groups.auto:
+      want = len(jax.tree.leaves(variables["params"]))
+      if not isinstance(comm, CommScaling) or jnp.shape(comm.amax) != (want,):
+        raise ValueError(f"comm_scaling='auto' needs state.comm = CommScaling of shape "
+                         f"[{want}] (one entry per parameter leaf), got "
+                         f"{jax.tree.map(jnp.shape, comm)}; use init_grad_comm_scaling(params)")
+    grad_spec: Any = P()
+    if groups.grad_comm == "fp8":
+      grad_spec = {k: P() for k in variables}
+      grad_spec["params"] = grad_comm_lib.grad_specs(variables["params"], groups.axes,
+                                                     groups.groups)
+    spec = P(groups.axes)
+    local = functools.partial(group_microbatches, grad_fn, groups)
+    loss, grads, comm = jax.shard_map(
+        local, mesh=groups.mesh, in_specs=(P(), spec, spec, spec, P()),
+        out_specs=(P(), grad_spec, P()), check_vma=False)(
+        variables, batch, counts, repeats, comm)
+    new, metrics = apply_gradients(state, tx, grads, loss, fused_update)
+    if not groups.auto:
+      return new, metrics
+    idx = np.asarray(grad_comm_lib.fp8_leaves(variables["params"], groups.groups) or [0])
+    metrics = {**metrics, "comm_pre_scale_min": jnp.min(comm.pre_scale[idx]),
+               "comm_saturated_max": jnp.max(comm.saturated[idx])}
+    return new._replace(comm=comm), metrics
 
-    (loss_sum, acc), _ = jax.lax.scan(
-        body, (jnp.zeros((), jnp.float32), accumulator_zeros(variables)), parts)
-    acc = {**acc, "params": jax.tree.map(lambda g: g / microbatches, acc["params"])}
-    return apply_gradients(state, tx, acc, loss_sum / microbatches, fused_update)
-
-  return step
+  return uniform if groups is None else per_group
 
 
 def apply_gradients(state: TrainState, tx: optax.GradientTransformation, grads, loss,
@@ -122,7 +283,8 @@ def apply_gradients(state: TrainState, tx: optax.GradientTransformation, grads, 
   """
   param_grads = grads["params"]
   grad_norm = optax.tree.norm(jax.tree.map(widen, param_grads))  # summed in f32
-  fp8 = apply_fp8_updates(state.variables(), grads).get(FP8_COLLECTION, {})
+  fp8 = apply_fp8_updates({FP8_COLLECTION: state.fp8} if state.fp8 else {}, grads).get(
+      FP8_COLLECTION, {})
   if fused_update is not None and not isinstance(state.params, MasterWeights):
     raise ValueError("fused_update needs FP16 master weights (level O2: params are "
                      f"MasterWeights), got params of type {type(state.params).__name__}")
@@ -147,4 +309,85 @@ def apply_gradients(state: TrainState, tx: optax.GradientTransformation, grads, 
 
 def make_eval_step(apply_fn: Callable):
   """A jittable ``eval_step(state, batch) -> mean loss`` (FP8 state is not updated)."""
-  return lambda state, batch: _loss(apply_fn, state.variables(), batch)
+  return lambda state, batch: next_token_loss(apply_fn, state.variables(), batch)
+
+
+class TrainStep(NamedTuple):
+  """A jitted step and the placement of its host batch.
+
+  Attributes:
+    jitted: ``jax.jit``-wrapped ``(state, *placed) -> (state, metrics)``; the state is
+      donated. ``jitted.lower(state, *place(batch))`` gives its compiled program.
+    place: ``batch int32[B, T+1] (numpy, the same on every process) -> placed args``.
+  """
+
+  jitted: Callable
+  place: Callable
+
+  def __call__(self, state, batch):
+    return self.jitted(state, *self.place(batch))
+
+
+def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroPlan,
+               microbatches: int, *, counts: Sequence[int] | None = None,
+               microbatch_size: int | None = None, grad_comm: str = "native",
+               comm_scaling: str = "current", growth_interval: int = 1000,
+               fused_update: Callable | None = None, cast_weights: Callable | None = None,
+               matrix_dtype=None, skip_nonfinite: bool = True) -> TrainStep:
+  """The jitted step of `plan`'s layout for a step of `microbatches` microbatches.
+
+  The loop is per group when `counts` (microbatches per data-parallel group, summing to
+  `microbatches`; needs `microbatch_size`) is given or `grad_comm` is "fp8" (every group
+  then runs all microbatches on its 1/G of each: the uniform split); else the scanned
+  uniform loop with the plan's gradient layout (`cast_weights` and `matrix_dtype` apply
+  there below ZeRO-3, and are not used elsewhere). `skip_nonfinite` wraps the step in
+  ``guards.skip_nonfinite_steps`` (metrics gain ``skipped``). Other arguments: as for
+  :func:`make_train_step`.
+  """
+  mesh = plan.mesh
+  per_group = counts is not None or grad_comm == "fp8"
+  gather = plan.gather_fn()
+  sharding = layout.batch_sharding(mesh, plan.axes)
+  if per_group:
+    loop = GroupLoop(mesh, plan.axes, grad_comm, comm_scaling, growth_interval)
+    n = loop.groups
+    if counts is not None:
+      counts = tuple(int(c) for c in counts)
+      if microbatch_size is None or len(counts) != n or sum(counts) != microbatches:
+        raise ValueError(f"counts {counts} must give each of the {n} data-parallel groups a "
+                         f"count, summing to microbatches={microbatches}, with "
+                         f"microbatch_size set (got {microbatch_size!r})")
+      arrange = functools.partial(layout.layout_counts, counts=counts,
+                                  microbatch_size=microbatch_size)
+    else:
+      if microbatch_size is not None and microbatch_size % n:
+        raise ValueError(f"parallel.grad_comm='fp8': a microbatch of {microbatch_size} "
+                         f"sequences does not split over the {n} data-parallel ranks; use a "
+                         f"microbatch size that is a multiple of {n}")
+      counts = (microbatches,) * n
+      arrange = functools.partial(layout.layout_split, microbatches=microbatches, groups=n)
+    step = make_train_step(apply_fn, tx, microbatches, groups=loop, gather_params=gather,
+                           fused_update=fused_update)
+    counts_array = layout.put_global(np.asarray(counts, np.int32), sharding)
+    place = lambda batch: (layout.put_global(arrange(batch), sharding), counts_array)
+    batch_shardings: tuple = (sharding, sharding)
+  else:
+    below3 = gather is None
+    step = make_train_step(apply_fn, tx, microbatches, gather_params=gather,
+                           reduce_gradients=plan.reduce_fn(), fused_update=fused_update,
+                           cast_weights=cast_weights if below3 else None,
+                           matrix_dtype=matrix_dtype if below3 else None)
+    place = lambda batch: (layout.put_global(batch, sharding),)
+    batch_shardings = (sharding,)
+  if skip_nonfinite:
+    inside = ("params", "opt_state") if fused_update is not None else ()
+    step = guards.skip_nonfinite_steps(step, skipped_inside=inside)
+
+  def placed(state, *args):
+    new, metrics = step(plan.to_device(state), *args)
+    return plan.to_home(new), metrics
+
+  jitted = jax.jit(placed, in_shardings=(plan.state, *batch_shardings),
+                   out_shardings=(plan.state, layout.replicated(mesh)), donate_argnums=0,
+                   compiler_options=plan.compiler_options or None)
+  return TrainStep(jitted, place)
