@@ -4,9 +4,11 @@
 decoder; ``fp8jax plot RUN_DIR...``: overlays runs' loss curves and FP8 scales in a PNG.
 ``fp8jax launch -n N [--max-restarts R] -- COMMAND``: N supervised local processes
 (``fp8jax.launch``). ``fp8jax profile --config C``: seconds per microbatch vs microbatch size
-on this device kind, written as a throughput profile (``fp8jax.parallel.profile``). ``fp8jax check``: lists the devices, says whether FP8 GEMMs run natively or emulated (and
-why), and compares one Dense layer's forward+backward in FP8 against BF16: relative error of
-output, input gradient and weight gradient vs a float64 reference, and time per step.
+on this device kind (``fp8jax.train.profile``), written as a throughput profile
+(``fp8jax.parallel.profile``). ``fp8jax check``: lists the devices, says whether FP8 GEMMs run
+natively or emulated (and why), and compares one Dense layer's forward+backward in FP8
+against BF16: relative error of output, input gradient and weight gradient vs a float64
+reference, and time per step.
 """
 from __future__ import annotations
 
@@ -121,6 +123,7 @@ def cmd_profile(args) -> int:
   import jax
   from fp8jax.config import load_config
   from fp8jax.parallel import profile
+  from fp8jax.train.profile import measure
   if jax.process_count() > 1:
     print("fp8jax profile measures the local devices of one process; run it without "
           "fp8jax launch", file=sys.stderr)
@@ -129,7 +132,7 @@ def cmd_profile(args) -> int:
   sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else \
       [2**i for i in range(8) if 2**i <= config.train.microbatch_size * 4]
   limit = None if args.memory_limit_gib is None else int(args.memory_limit_gib * 2**30)
-  data = profile.measure(config, sizes, steps=args.steps, memory_limit_bytes=limit)
+  data = measure(config, sizes, steps=args.steps, memory_limit_bytes=limit)
   path = profile.write(data, args.out or profile.default_path(data))
   print(profile.table(data))
   print(f"profile written to {path}; use it with --set parallel.device_map=<folder> or "
@@ -157,9 +160,30 @@ def _stages(text: str) -> list[int]:
     raise SystemExit(f"--zero {text!r} is not a comma-separated list of stages 0..3") from None
 
 
+def model_shape(model_config):
+  """The :class:`fp8jax.parallel.cost_model.ModelShape` of a gpt ``ModelConfig`` or of a
+  config's model section (same fields)."""
+  import dataclasses
+  from fp8jax.models.gpt import ModelConfig, flops_per_token, matmul_param_count
+  from fp8jax.parallel.cost_model import ModelShape
+  cfg = model_config if isinstance(model_config, ModelConfig) else \
+      ModelConfig(**dataclasses.asdict(model_config))
+  d, v = cfg.d_model, cfg.vocab_size
+  matmul = matmul_param_count(cfg)
+  # flops_per_token is affine in seq_len: its slope and intercept from two lengths
+  per_position = flops_per_token(cfg, 2) - flops_per_token(cfg, 1)
+  return ModelShape(
+      n_layers=cfg.n_layers, d_model=d, d_ff=cfg.d_ff, vocab_size=v,
+      kernel_params=matmul - (d * v if cfg.tie_embeddings else 0),
+      other_params=v * d + cfg.n_layers * 2 * d + d,  # embedding (a lookup) and norms
+      matmul_params=matmul, flops_per_token_fixed=flops_per_token(cfg, 1) - per_position,
+      flops_per_position=per_position, remat=cfg.remat)
+
+
 def cmd_simulate(args) -> int:
   """Prints predicted step times of a mixed cluster, uniform vs balanced split."""
   from fp8jax.config import load_config
+  from fp8jax.hardware import gpu_spec
   from fp8jax.parallel import cost_model as cm
   config = load_config(args.config)
   cluster = cm.parse_cluster(args.cluster, args.gpus_per_node, args.inter_node_gbps * 1e9 / 8)
@@ -171,16 +195,17 @@ def cmd_simulate(args) -> int:
     if not sep or not path:
       raise SystemExit(f"--profile {item!r} is not KIND=PATH; e.g. H100-SXM=h100.json")
     data, prof = cm.read_profile(path), cm.load_profile(path)
-    if cm.gpu_spec(kind).name != prof.kind:
+    if gpu_spec(kind).name != prof.kind:
       raise SystemExit(f"--profile {item!r}: the file measured {data['device_kind']!r} "
-                       f"({prof.kind}), not {cm.gpu_spec(kind).name}")
+                       f"({prof.kind}), not {gpu_spec(kind).name}")
     profiles.setdefault((data["level"].upper(), data["seq_len"]), {})[prof.kind] = prof
     print(f"profile {path}: {prof.kind} at {data['level']}, T={data['seq_len']} (used for "
           "that level and sequence length only)")
   runs = []
+  model = model_shape(config.model)
   for level in [x.strip().upper() for x in args.levels.split(",") if x.strip()]:
     for stage in sorted({max(z, int(level == "O3")) for z in _stages(args.zero)}):
-      runs.append(cm.predict(cluster, cm.model_config_of(config), seq_len, batch, level, stage,
+      runs.append(cm.predict(cluster, model, seq_len, batch, level, stage,
                              profiles=profiles.get((level, seq_len))))
   print(cm.format_table(runs))
   return 0

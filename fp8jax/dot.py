@@ -24,8 +24,10 @@ two updates combine by max, so a layer that is called twice never sums its FP8 s
 
 Where FP8 GEMMs cannot run (a device without FP8 tensor cores, or a shape cuBLASLt refuses)
 the identical quantized math runs with FP8 values upcast exactly (BF16 on GPUs, F32 on CPUs)
-and f32 accumulation ("emulated"); the per-process decision is agreed by all processes
-(:mod:`fp8jax.parallel.capability`) and logged once.
+and f32 accumulation ("emulated"). The per-process decision is
+:func:`fp8jax.hardware.native_fp8_reason` (re-exported here): by default from the run's
+devices, or the plan all processes agreed on (:mod:`fp8jax.parallel.capability`); logged
+once.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from fp8jax import scaling
+from fp8jax.hardware import native_fp8_reason
 from fp8jax.kernels import cast_transpose as ct
 from fp8jax.recipe import Recipe
 from fp8jax.scaling import Fp8Meta
@@ -100,27 +103,6 @@ def log_once(message: str, level: int = logging.WARNING) -> None:
   if message not in _LOGGED:
     _LOGGED.add(message)
     logger.log(level, message)
-
-
-@functools.lru_cache(maxsize=None)
-def native_fp8_reason() -> str | None:
-  """None when this process runs FP8 GEMMs natively, else why not.
-
-  With a plan agreed by :func:`fp8jax.parallel.capability.agree` installed, the plan decides
-  for this process. Otherwise FP8 GEMMs are native only when every device of the run (the
-  global ``jax.devices()``, the same list on every process) supports them.
-  """
-  from fp8jax.parallel import capability
-  plan = capability.active_plan()
-  if plan is not None:
-    return plan.reason_on(jax.process_index())
-  for d in jax.devices():
-    cc = getattr(d, "compute_capability", None)
-    why = capability.device_reason(capability.DeviceReport(
-        d.process_index, d.platform, d.device_kind, None if cc is None else str(cc), 1))
-    if why:
-      return f"device {why}"
-  return None
 
 
 def _gemm_reason(m: int, k: int, n: int, out_dtype) -> str | None:

@@ -1,9 +1,9 @@
 """FP8 recipes and the MS-AMP optimization levels O0..O3.
 
 A :class:`Recipe` says how tensors are cast to FP8 (formats, how the per-tensor scale is
-chosen). An :class:`OptLevel` says which parts of training run in low precision; its
-optimizer and sharding fields are read by ``fp8jax.optim``, ``fp8jax.parallel`` and
-``fp8jax.train`` and are only descriptive until those land.
+chosen). An :class:`OptLevel` says which parts of training run in low precision: the GEMMs'
+recipe, the master weight and Adam moment dtypes (``fp8jax.optim``) and the lowest ZeRO stage
+(``fp8jax.parallel``); ``fp8jax.train`` builds a run's step from them.
 """
 from __future__ import annotations
 
@@ -113,18 +113,14 @@ class OptLevel:
   Attributes:
     name: "O0".."O3".
     recipe: FP8 recipe of the GEMMs; None means BF16 GEMMs (O0).
-    grad_comm_dtype: dtype weight gradients travel in between devices.
     master_dtype: dtype of master weights (O2/O3 keep FP16 with a per-tensor scale).
     mu_dtype, nu_dtype: Adam first/second moment storage dtypes.
     zero_stage: lowest ZeRO stage the level runs at (O3: 1, it always shards; the others
       run at the configured stage). Ask :meth:`zero_stage_for` for a run's stage.
-  The fields after `recipe` are consumed by the optimizer and parallel packages; until
-  those land they only describe the level.
   """
 
   name: str
   recipe: Recipe | None
-  grad_comm_dtype: Any
   master_dtype: Any
   mu_dtype: Any
   nu_dtype: Any
@@ -161,10 +157,10 @@ class OptLevel:
     return max(configured, self.zero_stage)
 
 
-O0 = OptLevel("O0", None, jnp.bfloat16, jnp.float32, jnp.float32, jnp.float32)
-O1 = OptLevel("O1", Recipe(), E4M3, jnp.float32, jnp.float32, jnp.float32)
-O2 = OptLevel("O2", Recipe(), E4M3, jnp.float16, E4M3, jnp.float16)
-O3 = OptLevel("O3", Recipe(), E4M3, jnp.float16, E4M3, jnp.float16, zero_stage=1)
+O0 = OptLevel("O0", None, jnp.float32, jnp.float32, jnp.float32)
+O1 = OptLevel("O1", Recipe(), jnp.float32, jnp.float32, jnp.float32)
+O2 = OptLevel("O2", Recipe(), jnp.float16, E4M3, jnp.float16)
+O3 = OptLevel("O3", Recipe(), jnp.float16, E4M3, jnp.float16, zero_stage=1)
 LEVELS = {lvl.name: lvl for lvl in (O0, O1, O2, O3)}
 
 

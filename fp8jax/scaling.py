@@ -52,9 +52,28 @@ def fp8_max(fmt) -> float:
   return float(jnp.finfo(fmt).max)
 
 
+# Float types whose sign is the top bit and whose |x| bit patterns sort like |x|, with inf
+# and NaN patterns on top: their amax is an integer max over the bits (exact, NaN-safe).
+_AMAX_BITS = {np.dtype(d): u for d, u in (
+    (jnp.float8_e4m3fn, jnp.uint8), (jnp.float8_e5m2, jnp.uint8), (jnp.float16, jnp.uint16),
+    (jnp.bfloat16, jnp.uint16), (jnp.float32, jnp.uint32))}
+
+
 def compute_amax(x: jax.Array, axis_names: Sequence[str] = ()) -> jax.Array:
-  """max(|x|) as f32[], reduced with pmax over the named mesh axes `axis_names`."""
-  a = jnp.max(jnp.abs(x)).astype(jnp.float32)
+  """max(|x|) as f32[]: NaN if any element is NaN, 0 for an empty array; reduced with pmax
+  over the named mesh axes `axis_names`. For the float types of ``_AMAX_BITS`` it is an
+  integer max over the bit patterns without the sign (exact, and a NaN never vanishes)."""
+  x = jnp.asarray(x)
+  dt = np.dtype(x.dtype)
+  if dt in _AMAX_BITS:
+    utype = _AMAX_BITS[dt]
+    magnitude = np.iinfo(utype).max >> 1  # all bits but the sign
+    code = jnp.max(lax.bitcast_convert_type(x, utype) & utype(magnitude), initial=0)
+    a = lax.bitcast_convert_type(code.astype(utype), x.dtype).astype(jnp.float32)
+  else:
+    a = jnp.max(jnp.abs(x), initial=0).astype(jnp.float32)
+    if jnp.issubdtype(dt, jnp.inexact):  # the float max reduction may drop NaNs
+      a = jnp.where(jnp.any(jnp.isnan(x)), jnp.nan, a)
   if axis_names:
     a = lax.pmax(a, tuple(axis_names))
   return a

@@ -23,7 +23,7 @@ jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 import numpy as np  # noqa: E402
 
-from fp8jax import parallel  # noqa: E402
+from fp8jax import hardware, parallel  # noqa: E402
 from fp8jax.parallel import capability  # noqa: E402
 from fp8jax.train import balanced  # noqa: E402
 
@@ -45,10 +45,10 @@ def main(out_dir: str, counts: str, repeats: str, timing_steps: int = 0) -> None
                              shutdown_timeout=60) == "env"
   me = jax.process_index()
   platform, kind, cc = FAKE[me]
-  plan = capability.agree("per_kind", capability.DeviceReport(me, platform, kind, cc, 1))
+  plan = capability.agree("per_kind", hardware.DeviceReport(me, platform, kind, cc, 1))
   with open(os.path.join(out_dir, f"plan_{me}.json"), "w") as f:
     json.dump(plan._asdict(), f)
-  capability.install(None)  # the CPU devices run the emulated path either way
+  hardware.install_plan(None)  # the CPU devices run the emulated path either way
 
   import hetero_model as th  # the same model, batch and optimizer as the test's reference
   model, tx, state, batch = th.setup()

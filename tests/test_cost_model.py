@@ -3,21 +3,19 @@ import os
 
 import pytest
 
-from fp8jax.models.gpt import matmul_param_count
-
-from fp8jax import cli
-from fp8jax.models.gpt import ModelConfig
+from fp8jax import cli, hardware
+from fp8jax.models.gpt import ModelConfig, flops_per_token, matmul_param_count
 from fp8jax.parallel import cost_model as cm
 from fp8jax.parallel.balance import KindProfile
-from fp8jax.train.metrics import peak_flops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_7B = os.path.join(ROOT, "configs", "gpt_7b.yaml")
 # 7B shape of configs/gpt_7b.yaml without reading YAML
-BIG = ModelConfig(vocab_size=256, d_model=4096, n_layers=32, n_heads=32, d_ff=11008,
-                  max_seq_len=2048, mlp="swiglu", remat=True)
-SMALL = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, d_ff=256,
-                    max_seq_len=8, mlp="gelu", remat=False)
+BIG_CONFIG = ModelConfig(vocab_size=256, d_model=4096, n_layers=32, n_heads=32, d_ff=11008,
+                         max_seq_len=2048, mlp="swiglu", remat=True)
+SMALL_CONFIG = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, d_ff=256,
+                           max_seq_len=8, mlp="gelu", remat=False)
+BIG, SMALL = cli.model_shape(BIG_CONFIG), cli.model_shape(SMALL_CONFIG)
 MIXED = "8xA100-80GB+8xH100-SXM"
 
 
@@ -45,23 +43,45 @@ def test_parse_cluster_rejects_bad_strings(text, match):
 
 
 def test_gpu_spec_reads_jax_device_kinds_and_matches_metrics_peaks():
-  assert cm.gpu_spec("NVIDIA H100 80GB HBM3").name == "H100-SXM"
-  assert cm.gpu_spec("NVIDIA H100 PCIe").name == "H100-PCIe"
-  assert cm.gpu_spec("NVIDIA A100-SXM4-80GB").name == "A100-80GB"
-  assert cm.gpu_spec("NVIDIA A100-SXM4-40GB").name == "A100-40GB"
-  assert cm.gpu_spec("NVIDIA H200").name == "H200"
+  assert hardware.gpu_spec("NVIDIA H100 80GB HBM3").name == "H100-SXM"
+  assert hardware.gpu_spec("NVIDIA H100 PCIe").name == "H100-PCIe"
+  assert hardware.gpu_spec("NVIDIA A100-SXM4-80GB").name == "A100-80GB"
+  assert hardware.gpu_spec("NVIDIA A100-SXM4-40GB").name == "A100-40GB"
+  assert hardware.gpu_spec("NVIDIA H200").name == "H200"
   for name in ("A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200", "H800", "L40S",
                "B200"):
-    spec = cm.GPU_SPECS[name]
-    assert spec.bf16_flops == peak_flops(name, False)
+    spec = hardware.GPU_SPECS[name]
+    assert spec.bf16_flops == hardware.peak_flops(name, False)
     assert (spec.fp8_flops is None) == name.startswith("A100")
-  assert cm.GPU_SPECS["H100-PCIe"].fp8_flops == 1513e12
+  assert hardware.GPU_SPECS["H100-PCIe"].fp8_flops == 1513e12
   with pytest.raises(ValueError, match="known kinds"):
-    cm.gpu_spec("NVIDIA GH200 480GB")
+    hardware.gpu_spec("NVIDIA GH200 480GB")
+
+
+def test_peak_flops_read_device_kinds():
+  assert hardware.peak_flops("NVIDIA H100 80GB HBM3", True) == 1979e12
+  assert hardware.peak_flops("NVIDIA H100 PCIe", False) == 756e12
+  assert hardware.peak_flops("NVIDIA GH200 480GB", False) == 989e12
+  assert hardware.peak_flops("NVIDIA A100-SXM4-80GB", True) == 312e12  # no FP8: BF16's
+  assert hardware.peak_flops("NVIDIA L4", True) == 242e12
+  assert hardware.peak_flops("NVIDIA L40", False) is None  # not an L4
+  assert hardware.peak_flops("cpu", False) is None
+  assert hardware.fp8_native("NVIDIA L40S") and not hardware.fp8_native("A100-80GB")
+
+
+def test_model_shape_matches_the_model_config_arithmetic():
+  for cfg in (BIG_CONFIG, SMALL_CONFIG, SMALL_CONFIG.replace(tie_embeddings=True)):
+    shape = cli.model_shape(cfg)
+    assert shape.matmul_params == matmul_param_count(cfg)
+    for seq_len in (1, 8, 2048):
+      assert shape.flops_per_token(seq_len) == flops_per_token(cfg, seq_len)
+  tied = cli.model_shape(SMALL_CONFIG.replace(tie_embeddings=True))
+  assert tied.kernel_params == SMALL.kernel_params - 64 * 256  # the LM head is the embedding
+  assert tied.other_params == SMALL.other_params
 
 
 def test_memory_model_by_hand():
-  kernels, others = cm.model_params(SMALL)
+  kernels, others = SMALL.kernel_params, SMALL.other_params
   assert kernels == 2 * (4 * 64 * 64 + 2 * 64 * 256) + 64 * 256  # layers + LM head
   assert others == 256 * 64 + 2 * 2 * 64 + 64                   # embedding + norms
   p = kernels + others
@@ -80,13 +100,13 @@ def test_memory_model_by_hand():
       5 / 4 * p + 1 * p + kernels + 2 * others)
   # no remat: 34 d bytes per token per layer + f32 logits and their gradient
   assert cm.activation_bytes(SMALL, 8, 2) == 2 * 34 * 16 * 64 + 16 * 256 * 8
-  remat = SMALL.replace(remat=True)
+  remat = cli.model_shape(SMALL_CONFIG.replace(remat=True))
   assert cm.activation_bytes(remat, 8, 2) == 2 * 16 * 64 * 2 + 16 * (16 * 64 + 3 * 256) * 2 + \
       16 * 256 * 8
 
 
 def test_o2_needs_less_memory_and_allows_larger_microbatch():
-  kernels, others = cm.model_params(BIG)
+  kernels, others = BIG.kernel_params, BIG.other_params
   a = cm.Assumptions()
   o0 = cm.persistent_bytes("O0", 1, kernels, others, 16, False, a)
   o2 = cm.persistent_bytes("O2", 1, kernels, others, 16, False, a)
@@ -102,7 +122,7 @@ def test_o2_needs_less_memory_and_allows_larger_microbatch():
 
 
 def test_zero3_needs_less_memory_than_zero1():
-  kernels, others = cm.model_params(BIG)
+  kernels, others = BIG.kernel_params, BIG.other_params
   a = cm.Assumptions()
   for level in ("O0", "O2", "O3"):
     z1 = cm.persistent_bytes(level, 1, kernels, others, 16, False, a)
@@ -114,7 +134,7 @@ def test_zero3_needs_less_memory_than_zero1():
 
 
 def test_comm_bytes_o0_over_o2_is_two_for_gradients_and_stage3_gathers():
-  kernels, others = cm.model_params(BIG)
+  kernels, others = BIG.kernel_params, BIG.other_params
   for stage, key in ((0, "grad all-reduce"), (1, "grad all-reduce"),
                      (2, "grad reduce-scatter")):
     o0 = cm.comm_bytes("O0", stage, kernels, others, 1, False)[key]
@@ -156,8 +176,8 @@ def test_mixed_cluster_balanced_is_faster_and_a100_runs_fp8_emulated():
   # The token-proportional part scales by the level's factor, the per-microbatch overhead not.
   a = cm.Assumptions()
   for kind, factor in [("A100-80GB", a.emulated_fp8_overhead), ("H100-SXM", 1 / 1.36)]:
-    overhead = a.microbatch_overhead_s_per_param * matmul_param_count(BIG) * 4.8e12 / \
-        cm.gpu_spec(kind).hbm_bw
+    overhead = a.microbatch_overhead_s_per_param * matmul_param_count(BIG_CONFIG) * 4.8e12 / \
+        hardware.gpu_spec(kind).hbm_bw
     base = o0.uniform.microbatch_seconds[kind]
     assert ratio(kind) == pytest.approx((factor * (base - overhead) + overhead) / base)
   assert ratio("H100-SXM") < ratio("A100-80GB") < 1

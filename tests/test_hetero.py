@@ -13,10 +13,12 @@ import pytest
 import ft_util
 
 import fp8jax
+from fp8jax import hardware
 from fp8jax.config import config_from_dict
 from fp8jax.parallel import balance, capability, make_mesh
 from fp8jax.parallel import device_map as device_map_lib
 from fp8jax.parallel import profile as profile_lib
+from fp8jax.train import profile as train_profile
 from fp8jax.train import make_train_step
 from fp8jax.train.balanced import (batch_sharding, layout_batch, make_balanced_train_step,
                                    put_global)
@@ -159,7 +161,7 @@ def test_plan_respects_memory_and_picks_the_fastest_size():
 # ---------------------------------------------------------------------------- capability
 
 def _report(i, kind="NVIDIA H100 80GB HBM3", cc="9.0", platform="gpu"):
-  return capability.DeviceReport(i, platform, kind, cc, 8)
+  return hardware.DeviceReport(i, platform, kind, cc, 8)
 
 
 def test_capability_decisions_per_kind_and_uniform():
@@ -182,13 +184,23 @@ def test_capability_decisions_per_kind_and_uniform():
 def test_capability_plan_drives_the_fp8_dot():
   plan = capability.decide([_report(0)])
   try:
-    capability.install(plan)
+    hardware.install_plan(plan)
     assert fp8jax.dot.native_fp8_reason() is None
-    capability.install(capability.decide([_report(0, "NVIDIA A100-SXM4-80GB", "8.0")]))
+    hardware.install_plan(capability.decide([_report(0, "NVIDIA A100-SXM4-80GB", "8.0")]))
     assert "8.0 < 8.9" in fp8jax.dot.native_fp8_reason()
   finally:
-    capability.install(None)
+    hardware.install_plan(None)
   assert "cpu" in fp8jax.dot.native_fp8_reason()
+
+
+def test_agree_installs_the_plan_the_fp8_dot_reads():
+  try:
+    plan = capability.agree("per_kind", _report(0))
+    assert hardware.active_plan() is plan
+    assert fp8jax.dot.native_fp8_reason() is None
+  finally:
+    hardware.install_plan(None)
+  assert hardware.active_plan() is None
 
 
 class _FakeDevice:
@@ -201,10 +213,10 @@ class _FakeDevice:
 
 
 def test_mixed_kinds_in_one_process_are_refused():
-  ok = capability.local_report([_FakeDevice("NVIDIA H100"), _FakeDevice("NVIDIA H100")])
+  ok = hardware.local_report([_FakeDevice("NVIDIA H100"), _FakeDevice("NVIDIA H100")])
   assert ok.device_count == 2 and ok.memory_bytes == 80 * 2**30
-  with pytest.raises(capability.MixedDevicesError, match="Launch one process per kind"):
-    capability.local_report([_FakeDevice("NVIDIA H100"), _FakeDevice("NVIDIA A100")])
+  with pytest.raises(hardware.MixedDevicesError, match="Launch one process per kind"):
+    hardware.local_report([_FakeDevice("NVIDIA H100"), _FakeDevice("NVIDIA A100")])
 
 
 # ---------------------------------------------------------------------- device_map, config
@@ -270,27 +282,27 @@ def _tiny(**over):
 
 
 def test_profile_measures_sizes_and_round_trips(tmp_path):
-  data = profile_lib.measure(_tiny(), [1, 2], steps=1)
+  data = train_profile.measure(_tiny(), [1, 2], steps=1)
   assert [p["microbatch"] for p in data["points"]] == [1, 2]
   assert all(p["fits"] and p["seconds"] > 0 for p in data["points"])
   assert data["device_kind"] == jax.devices()[0].device_kind and data["level"] == "O1"
   path = profile_lib.write(data, str(tmp_path / "p.json"))
   assert profile_lib.load(path).admits(2)
   assert "ms/microbatch" in profile_lib.table(data)
-  small = profile_lib.measure(_tiny(), [1, 2], steps=1, memory_limit_bytes=1)
+  small = train_profile.measure(_tiny(), [1, 2], steps=1, memory_limit_bytes=1)
   assert small["points"] == [{**small["points"][0], "fits": False, "seconds": None}]
 
 
 def test_profile_calibrates_like_the_trainer(monkeypatch):
   """With fp8.calibrate on, the profile times the calibrated step (after one uncalibrated
   step), as the Trainer runs it."""
-  from fp8jax.train import build
   models = []
-  real = build.calibrated
-  monkeypatch.setattr(build, "calibrated", lambda m: models.append(real(m)) or models[-1])
-  data = profile_lib.measure(_tiny(**{"fp8.calibrate": "always"}), [1], steps=1)
+  real = train_profile.calibrated
+  monkeypatch.setattr(train_profile, "calibrated",
+                      lambda m: models.append(real(m)) or models[-1])
+  data = train_profile.measure(_tiny(**{"fp8.calibrate": "always"}), [1], steps=1)
   assert data["points"][0]["fits"] and len(models) == 1 and models[0].recipe.calibrated
-  profile_lib.measure(_tiny(**{"fp8.calibrate": "never"}), [1], steps=1)
+  train_profile.measure(_tiny(**{"fp8.calibrate": "never"}), [1], steps=1)
   assert len(models) == 1
 
 

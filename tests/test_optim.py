@@ -699,7 +699,7 @@ def test_parity_mlp_regression_300_steps(key):
 def test_index_bits_high_bits_are_uniform_over_elements_and_over_seeds():
   """The stochastic-rounding bits (the top 13 for FP16) are uniform across a tensor's
   elements for one seed and across steps' seeds for one element (chi-square, 16 bins)."""
-  from fp8jax.optim.rounding import index_bits
+  from fp8jax.kernels.rounding import index_bits
   over_elements = np.asarray(index_bits(jnp.arange(1 << 16, dtype=jnp.uint32), 12345))
   over_seeds = np.asarray(jax.vmap(lambda s: index_bits(jnp.uint32(777), s))(
       jnp.arange(1 << 14, dtype=jnp.uint32)))

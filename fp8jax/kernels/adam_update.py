@@ -7,7 +7,7 @@ payloads once (11 bytes per parameter with FP8 gradients), plus a per-block max 
 `adam_master_update(g, mu, nu, w, table, seed, amax, scales, row=i, offset=k)` works on
 tensor i's payloads flattened to [N] (N a multiple of `BLOCK`). All tensors of a step share
 one scalar table (row i: f32[NUM_SCALARS], see `S_*` below), one u32[1] seed of the master
-weight's stochastic rounding (:mod:`fp8jax.optim.rounding`'s stream; tensor i uses seed + i)
+weight's stochastic rounding (:mod:`fp8jax.kernels.rounding`'s stream; tensor i uses seed + i)
 and one f32 buffer of per-block max |new weight| (tensor i writes entries k .. k + N / BLOCK);
 each kernel also writes its tensor's three new scales in place, so a step of L tensors is L
 kernels and a handful of small XLA ops. The per-element math is :func:`update_reference`'s,
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fp8jax.optim.rounding import index_bits, round_with_bits
+from fp8jax.kernels.rounding import index_bits, round_with_bits
 
 BLOCK = 2048
 NUM_WARPS = 8
@@ -40,7 +40,7 @@ def update_math(g, mu, nu, w, s, seed, index, b1: float, b2: float):
   assuming the step is taken (see :func:`update_reference` for the skip).
 
   `s`: indexable scalars (see S_*); `seed`: uint32 seed of the master weight's stochastic
-  rounding (:func:`fp8jax.optim.rounding.index_bits`).
+  rounding (:func:`fp8jax.kernels.rounding.index_bits`).
   """
   f32 = jnp.float32
   g = g.astype(f32) * s[S_G]

@@ -25,9 +25,9 @@ import numpy as np
 import optax
 
 from fp8jax.kernels import adam_update as K
+from fp8jax.kernels.rounding import hash32
 from fp8jax.optim import moments
 from fp8jax.optim.master import MasterWeights, payload_max, write_scales
-from fp8jax.optim.rounding import hash32
 from fp8jax.optim.scaled import ScaledArray, amaxes, is_scaled
 from fp8jax.optim.transforms import ScaleByAdamState
 

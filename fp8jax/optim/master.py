@@ -40,8 +40,9 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
+from fp8jax.kernels.rounding import hash32
 from fp8jax.optim.finite import all_finite
-from fp8jax.optim.rounding import hash32, stochastic_round
+from fp8jax.optim.rounding import stochastic_round
 from fp8jax.optim.scaled import (ScaledArray, amaxes, check_float_dtype, dequantize_scaled,
                                  is_scaled, payload_max, quantize_with_scale, scale_from_bound)
 from fp8jax.params import is_gemm_weight

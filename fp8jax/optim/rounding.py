@@ -11,17 +11,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-
-def hash32(x: jax.Array) -> jax.Array:
-  """lowbias32 integer hash of uint32 `x` (well mixed, cheap: 2 multiplies, 3 shifts)."""
-  x = x ^ (x >> 16)
-  x = x * jnp.uint32(0x7FEB352D)
-  x = x ^ (x >> 15)
-  x = x * jnp.uint32(0x846CA68B)
-  return x ^ (x >> 16)
+from fp8jax.kernels.rounding import index_bits, round_with_bits
 
 
 def element_bits(shape, seed) -> jax.Array:
@@ -34,20 +26,6 @@ def element_bits(shape, seed) -> jax.Array:
   return index_bits(index, seed)
 
 
-def index_bits(index: jax.Array, seed) -> jax.Array:
-  """uint32 random bits for elements at flat uint32 `index`, from (index, `seed`).
-
-  The seed is mixed once (:func:`hash32`); per element it is one xor and one multiply by an
-  odd constant (a Fibonacci hash), whose *high* bits are uniform: for any fixed index the
-  xor with a uniformly random key is uniform, and so is its product with an odd number.
-  Callers use the top bits (:func:`round_with_bits` takes the high `drop` bits). One
-  multiply instead of hash32's two multiplies and three shifts keeps the fused optimizer
-  kernel near memory speed.
-  """
-  key = hash32(jnp.asarray(seed).astype(jnp.uint32) ^ jnp.uint32(0x9E3779B9))
-  return (index ^ key) * jnp.uint32(0x9E3779B1)
-
-
 def stochastic_round(y: jax.Array, dtype, seed) -> jax.Array:
   """f32 `y` rounded to `dtype` stochastically (unbiased where `dtype` is normal).
 
@@ -58,15 +36,3 @@ def stochastic_round(y: jax.Array, dtype, seed) -> jax.Array:
   if 23 - int(jnp.finfo(dtype).nmant) <= 0:
     return y.astype(dtype)
   return round_with_bits(y, dtype, element_bits(y.shape, seed))
-
-
-def round_with_bits(y: jax.Array, dtype, random_bits: jax.Array) -> jax.Array:
-  """:func:`stochastic_round` with the caller's uint32 `random_bits` (shaped like `y`)."""
-  drop = 23 - int(jnp.finfo(dtype).nmant)
-  if drop <= 0:
-    return y.astype(dtype)
-  bits = lax.bitcast_convert_type(y.astype(jnp.float32), jnp.uint32)
-  noise = random_bits >> np.uint32(32 - drop)
-  mask = jnp.uint32(((1 << 32) - 1) ^ ((1 << drop) - 1))
-  rounded = lax.bitcast_convert_type((bits + noise) & mask, jnp.float32)
-  return jnp.where(jnp.isfinite(y), rounded, y).astype(dtype)

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from fp8jax.scaling import compute_amax
+
 # Smallest normal f32: scales are kept at or above it (XLA flushes f32 subnormals to zero).
 _TINY = float(np.finfo(np.float32).tiny)
 
@@ -79,28 +81,10 @@ def varying_axes(x) -> frozenset:
   return frozenset(manual.varying if manual is not None else getattr(aval, "vma", None) or ())
 
 
-# Float types whose sign is the top bit and whose |x| bit patterns sort like |x|, with inf
-# and NaN patterns on top: their amax is an integer max over the bits (exact, fast, NaN-safe).
-_BITS = {np.dtype(d): u for d, u in ((jnp.float8_e4m3fn, jnp.uint8), (jnp.float8_e5m2, jnp.uint8),
-                                     (jnp.float16, jnp.uint16), (jnp.bfloat16, jnp.uint16),
-                                     (jnp.float32, jnp.uint32))}
-
-
 def local_amax(x) -> jax.Array:
-  """max(|x|) of this device's data as f32[]: a NaN gives inf (XLA's float max reduction may
-  drop NaNs); for a :class:`ScaledArray` the payload's amax times the scale; 0 if empty."""
-  data = jnp.asarray(x.data if is_scaled(x) else x)
-  dt = np.dtype(data.dtype)
-  if dt in _BITS:
-    utype = _BITS[dt]
-    magnitude = np.iinfo(utype).max >> 1  # all bits but the sign
-    code = jnp.max(lax.bitcast_convert_type(data, utype) & utype(magnitude), initial=0)
-    a = lax.bitcast_convert_type(code.astype(utype), data.dtype).astype(jnp.float32)
-  else:
-    mag = jnp.abs(data)
-    if jnp.issubdtype(dt, jnp.inexact):
-      mag = jnp.where(jnp.isnan(data), jnp.inf, mag)
-    a = jnp.max(mag, initial=0).astype(jnp.float32)
+  """max(|x|) of this device's data as f32[] (:func:`fp8jax.scaling.compute_amax`) with a NaN
+  as inf; for a :class:`ScaledArray` the payload's amax times the scale; 0 if empty."""
+  a = compute_amax(x.data if is_scaled(x) else x)
   if is_scaled(x):
     a = a * x.scale
   return jnp.where(jnp.isnan(a), jnp.inf, a)
@@ -149,7 +133,7 @@ def quantize_with_scale(x, scale: jax.Array, dtype, *, rounding=None) -> jax.Arr
   is 0, inf or NaN.
 
   `rounding` is None (round to nearest even) or a callable ``(y_f32, dtype) -> payload``
-  such as :func:`fp8jax.optim.rounding.stochastic_round` bound to a seed.
+  such as :func:`fp8jax.optim.stochastic_round` bound to a seed.
   """
   scale = jnp.asarray(scale, jnp.float32)
   inv = jnp.where(scale > 0, 1.0 / scale, 0.0)

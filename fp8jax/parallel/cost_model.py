@@ -9,7 +9,9 @@ gives faster kinds more. A step is modelled as
 with compute from FLOPs and an MFU calibrated on fp8jax runs (or from measured profiles),
 communication from ring-collective bytes over the slowest link, the update from HBM bytes.
 Memory per GPU decides the largest microbatch and whether a kind can run the level at all.
-Pure Python: no devices are needed. Every constant is a field of :class:`Assumptions`.
+Pure Python: no devices are needed. Every modelling constant is a field of
+:class:`Assumptions`; GPU facts come from :mod:`fp8jax.hardware`, the model's from a
+:class:`ModelShape` (``fp8jax.cli.model_shape`` builds one from a model config).
 """
 from __future__ import annotations
 
@@ -19,75 +21,53 @@ import os
 import re
 from typing import Mapping, NamedTuple, Sequence
 
-from fp8jax.models.gpt import ModelConfig, flops_per_token, matmul_param_count
+from fp8jax.hardware import GPU_SPECS, fp8_native, gpu_spec
 from fp8jax.parallel import profile as profile_lib
 from fp8jax.parallel.balance import KindProfile, balance_counts, makespan, uniform_counts
-from fp8jax.train.metrics import peak_flops
 
 GiB = 2**30
-MiB = 2**20
 LEVELS = ("O0", "O1", "O2", "O3")
 STAGES = (0, 1, 2, 3)
 PROFILE_FORMAT = profile_lib.FORMAT
 
 
-# ----------------------------------------------------------------------------- GPU kinds
+# ----------------------------------------------------------------------------- model
 
-class GpuSpec(NamedTuple):
-  """One GPU kind. FLOP/s dense (no sparsity); bandwidths bytes/s per direction."""
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+  """The facts of a decoder-only transformer the cost model reads, as plain numbers.
 
-  name: str
-  bf16_flops: float
-  fp8_flops: float | None  # None: no FP8 tensor cores, FP8 GEMMs are emulated
-  hbm_bytes: int           # total memory as nvidia-smi reports it
-  hbm_bw: float            # HBM bytes/s
-  nvlink_bw: float         # intra-node bytes/s per GPU per direction (PCIe where no NVLink)
+  Attributes:
+    n_layers, d_model, d_ff, vocab_size: sizes of the model.
+    kernel_params: parameters stored as GEMM kernels (cast to FP8 at O1..O3): the layers'
+      projections and the LM head unless it is tied to the embedding.
+    other_params: every other parameter (embedding, norms); travels as stored.
+    matmul_params: weights taking part in a GEMM per token (the LM head also when tied);
+      sets the per-microbatch overhead.
+    flops_per_token_fixed, flops_per_position: training FLOPs (forward + backward) per token
+      are ``flops_per_token_fixed + flops_per_position * seq_len``.
+    remat: layers recomputed in the backward pass (only their inputs are saved).
+  """
 
+  n_layers: int
+  d_model: int
+  d_ff: int
+  vocab_size: int
+  kernel_params: int
+  other_params: int
+  matmul_params: int
+  flops_per_token_fixed: float
+  flops_per_position: float
+  remat: bool
 
-def _spec(name: str, hbm_mib: int, hbm_bw: float, nvlink_bw: float) -> GpuSpec:
-  """A spec whose peaks come from fp8jax.train.metrics (the numbers MFU is reported with)."""
-  bf16, fp8 = peak_flops(name, False), peak_flops(name, True)
-  return GpuSpec(name, bf16, None if fp8 == bf16 else fp8, hbm_mib * MiB, hbm_bw, nvlink_bw)
+  @property
+  def params(self) -> int:
+    """All parameters."""
+    return self.kernel_params + self.other_params
 
-
-# Vendor datasheets. NVLink: half the bidirectional figure (A100 600 GB/s, H100/H200 900,
-# H800 400, B200 1800); PCIe parts: PCIe Gen5 (H100-PCIe) / Gen4 (L40S) x16 per direction.
-GPU_SPECS = {s.name: s for s in (
-    _spec("A100-40GB", 40960, 1.555e12, 300e9),
-    _spec("A100-80GB", 81920, 2.039e12, 300e9),
-    _spec("H100-SXM", 81559, 3.35e12, 450e9),
-    _spec("H100-PCIe", 81559, 2.0e12, 64e9),
-    _spec("H200", 143771, 4.8e12, 450e9),
-    _spec("H800", 81559, 3.35e12, 200e9),
-    _spec("L40S", 46068, 0.864e12, 32e9),
-    _spec("B200", 183359, 8.0e12, 900e9),
-)}
-
-# (kind, substrings that must all occur) in the upper-cased name without spaces, "-", "_",
-# first match wins: "NVIDIA A100-SXM4-80GB" -> A100-80GB, "NVIDIA H100 80GB HBM3" -> H100-SXM.
-_PATTERNS = (
-    ("A100-80GB", ("A100", "80GB")), ("A100-40GB", ("A100", "40GB")),
-    ("H100-PCIe", ("H100", "PCIE")), ("H100-SXM", ("H100",)), ("H200", ("H200",)),
-    ("H800", ("H800",)), ("L40S", ("L40S",)), ("B200", ("B200",)),
-)
-
-
-def gpu_spec(kind: str) -> GpuSpec:
-  """The spec of `kind`: a GPU_SPECS name or a jax device_kind ("NVIDIA H100 80GB HBM3")."""
-  if not isinstance(kind, str) or not kind.strip():
-    raise ValueError(f"GPU kind {kind!r} is not allowed; use one of {sorted(GPU_SPECS)}")
-  flat = re.sub(r"[\s_\-]", "", kind.upper()).replace("NVIDIA", "")
-  if "GH200" not in flat:
-    for name, parts in _PATTERNS:
-      if all(p in flat for p in parts):
-        return GPU_SPECS[name]
-  hint = " (A100 needs its memory size: A100-40GB or A100-80GB)" if "A100" in flat else ""
-  raise ValueError(f"unknown GPU kind {kind!r}{hint}; known kinds: {sorted(GPU_SPECS)}")
-
-
-def fp8_native(kind: str) -> bool:
-  """Whether `kind` has FP8 tensor cores (else fp8jax emulates FP8 GEMMs in BF16)."""
-  return gpu_spec(kind).fp8_flops is not None
+  def flops_per_token(self, seq_len: int) -> float:
+    """Training FLOPs per token at sequence length `seq_len`."""
+    return self.flops_per_token_fixed + self.flops_per_position * seq_len
 
 
 # ----------------------------------------------------------------------------- cluster
@@ -139,6 +119,8 @@ def parse_cluster(text: str, gpus_per_node: int = 8, inter_node_bw: float = 50e9
 
 # ----------------------------------------------------------------------------- assumptions
 
+_OVERHEAD_KIND = "H200"  # where Assumptions.microbatch_overhead_s_per_param was measured
+
 class Assumptions(NamedTuple):
   """Modelling constants; each names the fp8jax measurement or the guess behind it."""
 
@@ -189,7 +171,8 @@ class Assumptions(NamedTuple):
   def check(self) -> "Assumptions":
     """Self, after checking every value's range (ValueError naming the bad one)."""
     positive = ("bf16_mfu", "fp8_speedup_small", "fp8_speedup_large", "emulated_fp8_overhead",
-                "microbatch_overhead_s_per_param", "hbm_efficiency", "fp8_optimizer_hbm_efficiency", "comm_efficiency")
+                "microbatch_overhead_s_per_param", "hbm_efficiency",
+                "fp8_optimizer_hbm_efficiency", "comm_efficiency")
     for name in positive:
       value = getattr(self, name)
       if not (isinstance(value, (int, float)) and 0 < value < math.inf):
@@ -282,15 +265,7 @@ def optimizer_bytes_per_param(level: str) -> int:
   return 28 if _check_level(level) in ("O0", "O1") else 11
 
 
-# ----------------------------------------------------------------------------- model
-
-def model_params(cfg: ModelConfig) -> tuple[int, int]:
-  """(GEMM kernel parameters, other parameters) from the config arithmetic (no init)."""
-  d, v = cfg.d_model, cfg.vocab_size
-  kernels = matmul_param_count(cfg) - (d * v if cfg.tie_embeddings else 0)
-  norms = cfg.n_layers * 2 * d + d
-  return kernels, v * d + norms  # the embedding counts as "other" (a lookup, not a GEMM)
-
+# ----------------------------------------------------------------------------- time
 
 def fp8_speedup(d_model: int, a: Assumptions) -> float:
   """Native FP8 step speedup over BF16 at this width (linear between the measured widths)."""
@@ -306,26 +281,28 @@ def level_speedup(level: str, kind: str, d_model: int, a: Assumptions) -> float:
   return fp8_speedup(d_model, a) if fp8_native(kind) else 1.0 / a.emulated_fp8_overhead
 
 
-def microbatch_seconds(cfg: ModelConfig, seq_len: int, microbatch: int, level: str, kind: str,
+def microbatch_seconds(model: ModelShape, seq_len: int, microbatch: int, level: str, kind: str,
                        a: Assumptions) -> float:
   """Seconds of one microbatch (`microbatch` sequences x `seq_len`) forward+backward."""
   spec = gpu_spec(kind)
-  flops = flops_per_token(cfg, seq_len) * microbatch * seq_len
-  compute = flops / (spec.bf16_flops * a.bf16_mfu) / level_speedup(level, kind, cfg.d_model, a)
-  overhead = a.microbatch_overhead_s_per_param * matmul_param_count(cfg) * 4.8e12 / spec.hbm_bw
+  flops = model.flops_per_token(seq_len) * microbatch * seq_len
+  compute = flops / (spec.bf16_flops * a.bf16_mfu) / level_speedup(level, kind, model.d_model,
+                                                                   a)
+  overhead = a.microbatch_overhead_s_per_param * model.matmul_params * \
+      GPU_SPECS[_OVERHEAD_KIND].hbm_bw / spec.hbm_bw
   return compute + overhead
 
 
-def activation_bytes(cfg: ModelConfig, seq_len: int, microbatch: int) -> float:
+def activation_bytes(model: ModelShape, seq_len: int, microbatch: int) -> float:
   """Activation bytes of one microbatch. remat: saved BF16 layer inputs, one layer's working
   set (~(16 d + 3 d_ff) x 2 B per token, flash attention so no T^2) and f32 logits with their
   gradient; else ~34 d bytes per token per layer (Korthikanti et al. 2022, no T^2 term)."""
   tokens = microbatch * seq_len
-  d = cfg.d_model
-  logits = tokens * cfg.vocab_size * 4 * 2
-  if cfg.remat:
-    return cfg.n_layers * tokens * d * 2 + tokens * (16 * d + 3 * cfg.d_ff) * 2 + logits
-  return cfg.n_layers * 34 * tokens * d + logits
+  d = model.d_model
+  logits = tokens * model.vocab_size * 4 * 2
+  if model.remat:
+    return model.n_layers * tokens * d * 2 + tokens * (16 * d + 3 * model.d_ff) * 2 + logits
+  return model.n_layers * 34 * tokens * d + logits
 
 
 def persistent_bytes(level: str, stage: int, kernels: int, others: int, gpus: int,
@@ -354,18 +331,18 @@ def usable_bytes(kind: str, a: Assumptions) -> float:
   return gpu_spec(kind).hbm_bytes * (1 - a.workspace_reserve)
 
 
-def max_microbatch(kind: str, cfg: ModelConfig, seq_len: int, level: str, stage: int,
+def max_microbatch(kind: str, model: ModelShape, seq_len: int, level: str, stage: int,
                    gpus: int, a: Assumptions = Assumptions(), local_grads: bool = False,
                    limit: int = 2**20) -> int:
   """Largest power of two of sequences (<= `limit`) whose microbatch fits one GPU of `kind`;
   0 when not even the persistent state fits."""
   level = _check_level(level)
-  kernels, others = model_params(cfg)
-  room = usable_bytes(kind, a) - persistent_bytes(level, _check_stage(level, stage), kernels,
-                                                   others, gpus, local_grads, a)
+  room = usable_bytes(kind, a) - persistent_bytes(level, _check_stage(level, stage),
+                                                   model.kernel_params, model.other_params,
+                                                   gpus, local_grads, a)
   best = 0
   m = 1
-  while m <= limit and activation_bytes(cfg, seq_len, m) <= room:
+  while m <= limit and activation_bytes(model, seq_len, m) <= room:
     best, m = m, 2 * m
   return best
 
@@ -447,12 +424,12 @@ class Prediction(NamedTuple):
   assumptions: Assumptions
 
 
-def _kind_seconds(cfg, seq_len, m, level, kind, a, profiles) -> float | None:
+def _kind_seconds(model, seq_len, m, level, kind, a, profiles) -> float | None:
   """Seconds of a microbatch of `m` on `kind`: measured (scaled linearly in m from the
   nearest measured size) when a profile is given, else the FLOP estimate; None: no fit."""
   prof = (profiles or {}).get(kind)
   if prof is None:
-    return microbatch_seconds(cfg, seq_len, m, level, kind, a)
+    return microbatch_seconds(model, seq_len, m, level, kind, a)
   if m in prof.seconds:
     return prof.seconds[m] if prof.admits(m) else None
   fitting = [s for s in prof.seconds if prof.admits(s)]
@@ -469,12 +446,12 @@ def _infeasible(reason: str, seconds=None, memory=None, microbatch=None) -> Spli
 
 def _evaluate(ctx: dict, m: int, balanced: bool) -> Split:
   """The split for microbatch size `m`, or an infeasible Split saying why."""
-  cfg, a, cluster, kinds = ctx["cfg"], ctx["a"], ctx["cluster"], ctx["kind_list"]
+  model, a, cluster, kinds = ctx["model"], ctx["a"], ctx["cluster"], ctx["kind_list"]
   memory = {k: persistent_bytes(ctx["level"], ctx["stage"], ctx["kernels"], ctx["others"],
                                 cluster.gpus, balanced, a) +
-            activation_bytes(cfg, ctx["seq_len"], m) for k in ctx["kinds"]}
+            activation_bytes(model, ctx["seq_len"], m) for k in ctx["kinds"]}
   too_big = [k for k in ctx["kinds"] if memory[k] > usable_bytes(k, a)]
-  seconds = {k: _kind_seconds(cfg, ctx["seq_len"], m, ctx["level"], k, a, ctx["profiles"])
+  seconds = {k: _kind_seconds(model, ctx["seq_len"], m, ctx["level"], k, a, ctx["profiles"])
              for k in ctx["kinds"]}
   unmeasured = [k for k in ctx["kinds"] if seconds[k] is None]
   if too_big:
@@ -532,17 +509,18 @@ def _best(ctx: dict, sizes: Sequence[int], balanced: bool) -> Split:
   return max(near, key=lambda s: s.microbatch)
 
 
-def predict(cluster: ClusterSpec, model_config: ModelConfig, seq_len: int, global_batch: int,
+def predict(cluster: ClusterSpec, model: ModelShape, seq_len: int, global_batch: int,
             level: str, zero_stage: int, assumptions: Assumptions = Assumptions(),
             profiles: Mapping[str, KindProfile] | None = None,
             microbatch: int | None = None) -> Prediction:
-  """Predicted uniform and balanced step of `cluster` training `model_config`.
+  """Predicted uniform and balanced step of `cluster` training `model`.
 
   Args:
     seq_len: tokens per sequence. global_batch: sequences per optimizer step.
     level: "O0".."O3". zero_stage: 0..3 (sharded over all GPUs).
     profiles: {kind: KindProfile} of measured seconds per microbatch; they replace the FLOP
-      estimate for that kind (keys: GPU_SPECS names or device kinds).
+      estimate for that kind (keys: :data:`fp8jax.hardware.GPU_SPECS` names or device
+      kinds).
     microbatch: sequences per microbatch, common to all kinds; default: among the powers of
       two that divide the batch and fit every kind, the largest whose step is within
       `assumptions.microbatch_tolerance` of the fastest (chosen for each split).
@@ -554,12 +532,12 @@ def predict(cluster: ClusterSpec, model_config: ModelConfig, seq_len: int, globa
   for name, value in (("seq_len", seq_len), ("global_batch", global_batch)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise ValueError(f"{name}={value!r} is not allowed; use an integer >= 1")
-  kernels, others = model_params(model_config)
+  kernels, others = model.kernel_params, model.other_params
   profiles = {gpu_spec(k).name: p for k, p in (profiles or {}).items()}
-  ctx = dict(cfg=model_config, a=a, cluster=cluster, kind_list=cluster.kinds(),
+  ctx = dict(model=model, a=a, cluster=cluster, kind_list=cluster.kinds(),
              kinds=[k for k, _ in cluster.groups], level=level, stage=stage, kernels=kernels,
              others=others, seq_len=seq_len, batch=global_batch, profiles=profiles,
-             bw=link_bandwidth(cluster), flops_per_token=flops_per_token(model_config, seq_len),
+             bw=link_bandwidth(cluster), flops_per_token=model.flops_per_token(seq_len),
              optimizer_s=optimizer_seconds(level, stage, kernels + others, cluster, a))
   sizes = _candidates(global_batch, microbatch)
   uniform, balanced = _best(ctx, sizes, False), _best(ctx, sizes, True)
@@ -569,23 +547,19 @@ def predict(cluster: ClusterSpec, model_config: ModelConfig, seq_len: int, globa
                     kernels + others, emulated, uniform, balanced, speedup, a)
 
 
-def model_config_of(config) -> ModelConfig:
-  """ModelConfig of an fp8jax.config.Config (its model section)."""
-  return ModelConfig(**dataclasses.asdict(config.model))
-
-
 # ----------------------------------------------------------------------------- profiles
 
 def read_profile(path: str | os.PathLike) -> dict:
   """The JSON written by `fp8jax profile` (checked by :func:`fp8jax.parallel.profile.read`),
-  whose device kind must be one of :data:`GPU_SPECS`."""
+  whose device kind must be one of :data:`fp8jax.hardware.GPU_SPECS`."""
   data = profile_lib.read(os.fspath(path))
   gpu_spec(data["device_kind"])
   return data
 
 
 def load_profile(path: str | os.PathLike) -> KindProfile:
-  """KindProfile (kind: the GPU_SPECS name) of a profile JSON; seconds per microbatch."""
+  """KindProfile (kind: the :data:`fp8jax.hardware.GPU_SPECS` name) of a profile JSON;
+  seconds per microbatch."""
   data = read_profile(path)
   prof = profile_lib.to_kind_profile(data)
   return KindProfile(gpu_spec(data["device_kind"]).name, dict(prof.seconds), dict(prof.fits))

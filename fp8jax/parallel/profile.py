@@ -1,7 +1,8 @@
 """Throughput profiles: seconds per microbatch vs microbatch size on one device of a kind.
 
-``fp8jax profile --config C`` measures them (:func:`measure`) and writes JSON (``SCHEMA``); the
-balancer reads them back as :class:`~fp8jax.parallel.balance.KindProfile` (:func:`load`)::
+``fp8jax profile --config C`` measures them (:func:`fp8jax.train.profile.measure`) and
+writes this JSON format (:data:`FORMAT`, checked by :func:`validate`); the balancer reads them
+back as :class:`~fp8jax.parallel.balance.KindProfile` (:func:`load`)::
 
   {"format": "fp8jax-profile/1", "device_kind": "NVIDIA H100 80GB HBM3",
    "compute_capability": "9.0", "platform": "gpu", "memory_bytes": 85899345920,
@@ -17,10 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
-from typing import Sequence
-
-import numpy as np
 
 from fp8jax.parallel.balance import KindProfile
 
@@ -80,97 +77,6 @@ def to_kind_profile(data: dict) -> KindProfile:
 def load(path: str) -> KindProfile:
   """The profile in `path` as a :class:`KindProfile`."""
   return to_kind_profile(read(path))
-
-
-def _median_seconds(fn, state, batch, steps: int):
-  import jax
-  state, _ = jax.block_until_ready(fn(state, batch))  # warm-up
-  times = []
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    state, metrics = jax.block_until_ready(fn(state, batch))
-    times.append(time.perf_counter() - t0)
-  return float(np.median(times)), state
-
-
-def _peak_bytes(compiled) -> int | None:
-  try:
-    m = compiled.memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-               - m.alias_size_in_bytes)
-  except Exception:  # not every backend reports it
-    return None
-
-
-def _is_oom(error: Exception) -> bool:
-  text = str(error)
-  return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
-
-
-def measure(config, sizes: Sequence[int], steps: int = 5,
-            memory_limit_bytes: int | None = None, device=None) -> dict:
-  """Profiles `config`'s model and level on one device: one train step of one microbatch
-  per size in `sizes` (sequences); sizes above the first that does not fit are not tried.
-
-  Returns the profile dict (module docstring).
-  """
-  import jax
-
-  from fp8jax.parallel.capability import local_report
-  from fp8jax.train.build import calibrated, calibration_on, model_and_optimizer
-  from fp8jax.train.guards import skip_nonfinite_steps
-  from fp8jax.train.state import init_state
-  from fp8jax.train.step import make_train_step
-
-  sizes = sorted({int(s) for s in sizes})
-  if not sizes or sizes[0] < 1:
-    raise ValueError(f"sizes {list(sizes)} must be integers >= 1")
-  device = device or jax.local_devices()[0]
-  report = local_report([device])
-  limit = memory_limit_bytes or report.memory_bytes
-  level, t, d = config.level(), config.train, config.data
-  model, _, tx = model_and_optimizer(config)
-  points = []
-  with jax.default_device(device):
-    # Committed to the device, so the step's output (committed) matches its input: one
-    # compile per size.
-    state = jax.device_put(init_state(model, tx, level, sizes[0], d.seq_len, t.seed), device)
-    make_step = lambda model: jax.jit(skip_nonfinite_steps(make_train_step(model.apply, tx, 1)),
-                                      donate_argnums=0)
-    step = make_step(model)
-    rng = np.random.default_rng(0)
-    if calibration_on(config):  # as the Trainer: one uncalibrated step, then calibrated casts
-      first = rng.integers(0, config.model.vocab_size, (sizes[0], d.seq_len + 1), np.int32)
-      try:
-        state, _ = step(state, jax.device_put(first, device))
-        step = make_step(calibrated(model))
-      except Exception as e:  # noqa: BLE001 - out of memory: the sweep below records it
-        if not _is_oom(e):
-          raise
-    for m in sizes:
-      batch = jax.device_put(rng.integers(0, config.model.vocab_size, (m, d.seq_len + 1),
-                                          dtype=np.int32), device)
-      point = {"microbatch": m, "seconds": None, "tokens_per_s": None, "peak_bytes": None,
-               "fits": False}
-      try:
-        compiled = step.lower(state, batch).compile()
-        point["peak_bytes"] = _peak_bytes(compiled)
-        if limit is not None and point["peak_bytes"] is not None and \
-            point["peak_bytes"] > limit:
-          points.append(point)
-          break
-        seconds, state = _median_seconds(compiled, state, batch, steps)
-      except Exception as e:  # noqa: BLE001 - only out-of-memory ends the sweep quietly
-        if not _is_oom(e):
-          raise
-        points.append(point)
-        break
-      point.update(seconds=seconds, tokens_per_s=m * d.seq_len / seconds, fits=True)
-      points.append(point)
-  return validate({"format": FORMAT, "device_kind": report.device_kind,
-                   "compute_capability": report.compute_capability,
-                   "platform": report.platform, "memory_bytes": limit,
-                   "level": level.name, "seq_len": d.seq_len, "points": points})
 
 
 def default_path(data: dict) -> str:

@@ -9,40 +9,14 @@ from typing import Any
 import jax
 import numpy as np
 
+from fp8jax.hardware import peak_flops
 from fp8jax.params import leaf_name
 from fp8jax.scaling import Fp8Meta, fp8_max
 
-# Dense peak FLOP/s per device (vendor datasheets, without sparsity): (bf16, fp8).
-# FP8 is None where the chip has no FP8 tensor cores.
-PEAK_FLOPS = {
-    "H200": (989e12, 1979e12),
-    "H100": (989e12, 1979e12),   # SXM; the PCIe part is lower (756 / 1513)
-    "H800": (989e12, 1979e12),
-    "GH200": (989e12, 1979e12),
-    "B200": (2250e12, 4500e12),
-    "L40S": (362e12, 733e12),
-    "L4": (121e12, 242e12),
-    "RTX 4090": (165e12, 330e12),
-    "A100": (312e12, None),
-    "A10": (125e12, None),
-    "V100": (125e12, None),
-}
-
-
-def peak_flops(device_kind: str, fp8: bool) -> float | None:
-  """Peak dense FLOP/s of one device of `device_kind` (FP8 if `fp8` and supported)."""
-  kind = device_kind.upper()
-  if "H100" in kind and "PCIE" in kind:
-    return 1513e12 if fp8 else 756e12
-  for name in sorted(PEAK_FLOPS, key=len, reverse=True):
-    if name in kind:
-      bf16, f8 = PEAK_FLOPS[name]
-      return (f8 or bf16) if fp8 else bf16
-  return None
-
 
 def mfu(flops_per_token: float, tokens_per_s: float, fp8: bool) -> float | None:
-  """Model FLOPs utilisation of all devices (None where the device's peak is unknown)."""
+  """Model FLOPs utilisation of all devices against their peaks
+  (:func:`fp8jax.hardware.peak_flops`; None where a device's peak is unknown)."""
   peaks = [peak_flops(d.device_kind, fp8) for d in jax.devices()]
   if any(p is None for p in peaks):
     return None
