@@ -25,7 +25,8 @@ import numpy as np  # noqa: E402
 
 from fp8jax import hardware, parallel  # noqa: E402
 from fp8jax.parallel import capability  # noqa: E402
-from fp8jax.train import balanced  # noqa: E402
+from fp8jax.parallel import layout  # noqa: E402
+from fp8jax.train.step import GroupLoop, make_train_step  # noqa: E402
 
 FAKE = {0: ("gpu", "NVIDIA A100-SXM4-80GB", "8.0"), 1: ("gpu", "NVIDIA H100 80GB HBM3", "9.0")}
 
@@ -53,11 +54,11 @@ def main(out_dir: str, counts: str, repeats: str, timing_steps: int = 0) -> None
   import hetero_model as th  # the same model, batch and optimizer as the test's reference
   model, tx, state, batch = th.setup()
   mesh = parallel.make_mesh()
-  sharding = balanced.batch_sharding(mesh)
-  put = lambda x: balanced.put_global(np.asarray(x), sharding)
-  step = jax.jit(balanced.make_balanced_train_step(model.apply, tx, mesh))
+  sharding = layout.batch_sharding(mesh)
+  put = lambda x: layout.put_global(np.asarray(x), sharding)
+  step = jax.jit(make_train_step(model.apply, tx, groups=GroupLoop(mesh)))
   counts = [int(c) for c in counts.split(",")]
-  new, metrics = step(state, put(balanced.layout_batch(batch, counts, th.MICROBATCH)),
+  new, metrics = step(state, put(layout.layout_counts(batch, counts, th.MICROBATCH)),
                       put(np.asarray(counts, np.int32)))
   host = parallel.to_host((new.params, new.fp8, metrics["loss"]))
   if me == 0:
@@ -66,13 +67,13 @@ def main(out_dir: str, counts: str, repeats: str, timing_steps: int = 0) -> None
   if timing_steps:
     slow = put(np.asarray([int(r) for r in repeats.split(",")], np.int32))
     big_model, big_state, big_batch = th.setup_timing()
-    big = jax.jit(balanced.make_balanced_train_step(big_model.apply, tx, mesh))
+    big = jax.jit(make_train_step(big_model.apply, tx, groups=GroupLoop(mesh)))
     results = {}
     for split in ("1,0", "3,0", "0,1", "0,3", "2,2", "1,3"):
       c = [int(x) for x in split.split(",")]
       rows = big_batch[:sum(c) * th.TIMING_MICROBATCH]
       results[split] = _timed(big, big_state,
-                              put(balanced.layout_batch(rows, c, th.TIMING_MICROBATCH)),
+                              put(layout.layout_counts(rows, c, th.TIMING_MICROBATCH)),
                               put(np.asarray(c, np.int32)), slow, timing_steps)
     if me == 0:
       with open(os.path.join(out_dir, "timing.json"), "w") as f:

@@ -230,7 +230,7 @@ def test_trainer_fused_optimizer_tracks_the_composed_path():
     cfg = load_config("configs/tiny.yaml", [f"train.opt_level={level}", "parallel.zero_stage=1"])
     assert cfg.train.fused_optimizer == "auto"
   auto = Trainer(load_config("configs/tiny.yaml", ["train.opt_level=O2"]), progress=False)
-  assert (auto.fused_update is not None) is (jax.default_backend() == "gpu")
+  assert (auto.steps.fused_update is not None) is (jax.default_backend() == "gpu")
 
 
 @pytest.mark.parametrize("fp8_grads", [True, False])

@@ -19,17 +19,16 @@ from fp8jax.parallel import balance, capability, make_mesh
 from fp8jax.parallel import device_map as device_map_lib
 from fp8jax.parallel import profile as profile_lib
 from fp8jax.train import profile as train_profile
-from fp8jax.train import make_train_step
-from fp8jax.train.balanced import (batch_sharding, layout_batch, make_balanced_train_step,
-                                   put_global)
+from fp8jax.parallel.layout import batch_sharding, layout_counts, put_global
+from fp8jax.train.step import GroupLoop, make_train_step
 from conftest import rel_err
 from hetero_model import MICROBATCH, _LM, _state, setup
 
 def _balanced_step(model, tx, state, batch, counts, mesh):
   sharding = batch_sharding(mesh)
   put = lambda x: put_global(np.asarray(x), sharding)
-  step = jax.jit(make_balanced_train_step(model.apply, tx, mesh))
-  return step(state, put(layout_batch(batch, counts, MICROBATCH)),
+  step = jax.jit(make_train_step(model.apply, tx, groups=GroupLoop(mesh)))
+  return step(state, put(layout_counts(batch, counts, MICROBATCH)),
               put(np.asarray(counts, np.int32)))
 
 
@@ -90,16 +89,16 @@ def test_fp8_balanced_step_equals_uniform_microbatches_and_ran_in_fp8():
 
 def test_layout_batch_keeps_order_and_checks_counts():
   batch = np.arange(2 * 6 * 3).reshape(12, 3)
-  out = layout_batch(batch, [2, 0, 1, 3], 2)
+  out = layout_counts(batch, [2, 0, 1, 3], 2)
   assert out.shape == (4, 3, 2, 3)
   np.testing.assert_array_equal(out[0, :2].reshape(-1, 3), batch[:4])
   np.testing.assert_array_equal(out[2, 0], batch[4:6])
   np.testing.assert_array_equal(out[3].reshape(-1, 3), batch[6:])
   assert not out[1].any() and not out[2, 1:].any()
   with pytest.raises(ValueError, match=r"batch of 12 sequences != sum\(counts\)=5"):
-    layout_batch(batch, [2, 3], 2)
+    layout_counts(batch, [2, 3], 2)
   with pytest.raises(ValueError, match="must be >= 0"):
-    layout_batch(batch, [-1, 7], 2)
+    layout_counts(batch, [-1, 7], 2)
 
 
 # ------------------------------------------------------------------------------ balancer

@@ -30,6 +30,8 @@ def one_run(config: str, level: str, stage: int, microbatch: int, overrides: lis
   import jax
   from benchmarks.comm.zero_step import run_level
   from fp8jax.config import load_config
+  from fp8jax import hardware
+  from fp8jax.cli import model_shape
   from fp8jax.parallel import cost_model as cm
   n = len(jax.devices())
   result = run_level(config, level, list(overrides) + [
@@ -37,8 +39,8 @@ def one_run(config: str, level: str, stage: int, microbatch: int, overrides: lis
       "train.microbatches=1", "train.warmup_steps=0"], steps, stage=stage)
   cfg = load_config(config, overrides)
   try:
-    kind = cm.gpu_spec(jax.devices()[0].device_kind).name
-    p = cm.predict(cm.parse_cluster(f"{n}x{kind}"), cm.model_config_of(cfg), cfg.data.seq_len,
+    kind = hardware.gpu_spec(jax.devices()[0].device_kind).name
+    p = cm.predict(cm.parse_cluster(f"{n}x{kind}"), model_shape(cfg.model), cfg.data.seq_len,
                    microbatch * n, level, stage, microbatch=microbatch)
     result["predicted_ms"] = 1e3 * p.uniform.step_s if p.uniform.feasible else None
   except ValueError as e:

@@ -21,7 +21,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import jax  # noqa: E402
 
 from fp8jax.config import load_config  # noqa: E402
-from fp8jax.parallel import capability, profile  # noqa: E402
+from fp8jax import hardware  # noqa: E402
+from fp8jax.parallel import capability  # noqa: E402
+from fp8jax.train import profile  # noqa: E402
 
 
 def emulation(args) -> dict:
@@ -29,12 +31,12 @@ def emulation(args) -> dict:
   for name, level, emulate in [("O0 (BF16)", "O0", False), ("O1 native FP8", "O1", False),
                                ("O1 emulated FP8", "O1", True)]:
     config = load_config(args.config, args.set + [f"train.opt_level={level}"])
-    report = capability.local_report()
+    report = hardware.local_report()
     if emulate:  # what a pre-Ada GPU would run: FP8 values upcast to BF16
       report = report._replace(device_kind="emulated (A100 plan)", compute_capability="8.0")
-    capability.install(capability.decide([report]))
+    hardware.install_plan(capability.decide([report]))
     data = profile.measure(config, [args.microbatch], steps=args.steps)
-    capability.install(None)
+    hardware.install_plan(None)
     rows[name] = data["points"][0]
     print(f"{name:>18}: {1e3 * rows[name]['seconds']:8.1f} ms/step "
           f"({rows[name]['tokens_per_s']:,.0f} tokens/s)", flush=True)

@@ -48,11 +48,22 @@ def weight_cast_fn(config, model: GPT, microbatches: int) -> Callable | None:
                            dtype=jnp.dtype(model.config.dtype))
 
 
-def zero_plan(config, abstract_state) -> ZeroPlan:
-  """Where `abstract_state` lives on the config's mesh (every process's devices; one device
-  is a mesh of one) and how its step gathers and reduces (``fp8jax.parallel.plan``)."""
+def run_devices(config) -> list | None:
+  """The devices a run's mesh spans: one (the first) for a single-process run that asks for
+  no parallelism (ZeRO stage 0, no sizes set, no device_map, native gradient communication),
+  else None: every process's devices."""
   p = config.parallel
-  mesh = parallel.mesh_from_config(p)
+  alone = (config.zero_stage() == 0 and jax.process_count() == 1 and p.device_map is None
+           and p.data_parallel_size in (-1, 1) and p.fsdp_size == 1
+           and p.tensor_parallel_size == 1 and config.grad_comm() == "native")
+  return jax.devices()[:1] if alone else None
+
+
+def zero_plan(config, abstract_state) -> ZeroPlan:
+  """Where `abstract_state` lives on the config's mesh (:func:`run_devices`; one device is a
+  mesh of one) and how its step gathers and reduces (``fp8jax.parallel.plan``)."""
+  p = config.parallel
+  mesh = parallel.mesh_from_config(p, run_devices(config))
   if config.grad_comm() == "fp8" and group_count(mesh) < 2:
     raise ValueError("parallel.grad_comm='fp8' needs at least 2 data-parallel ranks; this "
                      f"run has {parallel.describe(mesh)}; use parallel.grad_comm "
@@ -109,9 +120,6 @@ class StepCache:
           growth_interval=c.grad_comm_growth_interval(), fused_update=self.fused_update,
           cast_weights=weight_cast_fn(c, model, microbatches), matrix_dtype=c.model.dtype))
     return self._steps[key][1]
-
-  def clear(self) -> None:
-    self._steps = {}
 
   def built(self) -> list[tuple]:
     """(model, microbatches) of every step built so far."""

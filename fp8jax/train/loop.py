@@ -9,6 +9,7 @@ its shardings. Every step, whatever the layout, comes from ``build.StepCache`` (
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -351,7 +352,9 @@ class Trainer:
     model = GPT(self.model_config, None)
     self.calibration = Calibration(model, False)
     self.state = self.state._replace(fp8={})
-    self.steps.clear()
+    self.plan = dataclasses.replace(self.plan, state=self.plan.state._replace(fp8={}))
+    self.steps = build.StepCache(self.config, self.tx, self.plan, self.steps.fused_update,
+                                 self.steps.counts_fn)
     self._health = None
     self._eval = jax.jit(make_eval_step(model.apply))
     self.watchdog = guards.DivergenceWatchdog(0)
