@@ -5,6 +5,6 @@ set -u
 . benchmarks/gpu_env.sh
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
 python3 benchmarks/gemm/mlp_block.py "$@" 2>&1 | grep -v "^fp8jax: FP8 GEMMs emulated"
-GPU_TESTS=tests/test_gpu.py; [ -e "$GPU_TESTS" ] || GPU_TESTS=tests/gpu
+GPU_TESTS=tests/gpu/test_gpu.py; [ -e "$GPU_TESTS" ] || GPU_TESTS=tests/gpu
 python3 -m pytest -q -p no:cacheprovider "$GPU_TESTS" 2>&1 | tail -5
 python3 -m fp8jax.cli check

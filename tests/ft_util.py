@@ -85,12 +85,15 @@ def free_port() -> int:
 
 
 def run_workers(worker: str, args, processes: int, timeout: float = 300) -> list[str]:
-  """Runs tests/<worker> ARGS as `processes` local jax.distributed processes on 127.0.0.1
-  (CPU, FP8JAX_* variables); returns their logs, asserting every one exited 0."""
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
+  """Runs tests/distributed/<worker> ARGS as `processes` local jax.distributed processes on
+  127.0.0.1 (CPU, FP8JAX_* variables; the test helpers and the integration tests' modules on
+  the path); returns their logs, asserting every one exited 0."""
+  tests = os.path.join(ROOT, "tests")
+  path = [ROOT, tests, os.path.join(tests, "integration")]
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(path),
          "JAX_PLATFORMS": "cpu", "FP8JAX_COORDINATOR": f"127.0.0.1:{free_port()}",
          "FP8JAX_NUM_PROCESSES": str(processes)}
-  cmd = [sys.executable, os.path.join(ROOT, "tests", worker), *map(str, args)]
+  cmd = [sys.executable, os.path.join(tests, "distributed", worker), *map(str, args)]
   procs = [subprocess.Popen(cmd, env={**env, "FP8JAX_PROCESS_ID": str(i)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
            for i in range(processes)]

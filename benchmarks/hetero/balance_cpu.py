@@ -1,6 +1,6 @@
 """Balanced vs uniform microbatches across 2 local CPU processes, one slowed down, with the
 step-time prediction (makespan of the measured per-group seconds + the measured fixed cost)
-next to the measured step. Runs tests/hetero_worker.py twice under jax.distributed on
+next to the measured step. Runs tests/distributed/hetero_worker.py twice under jax.distributed on
 127.0.0.1 (1 CPU device per process). No GPU needed.
 
   python benchmarks/hetero/balance_cpu.py [--repeats 2,0] [--steps 5]

@@ -11,6 +11,8 @@ import numpy as np
 import optax
 import pytest
 
+import ft_util
+
 from fp8jax.config import load_config
 from fp8jax.parallel import make_mesh
 from fp8jax.parallel.zero import state_shardings
@@ -22,8 +24,7 @@ from conftest import rel_err
 from hetero_model import _LM, _state
 from test_hetero import _full_batch_grads, _keep_gradient
 
-TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
-                    "tiny.yaml")
+TINY = os.path.join(ft_util.ROOT, "configs", "tiny.yaml")
 GROUPS, MICROBATCHES, PER_GROUP = 8, 2, 1  # 8 devices, 2 microbatches of 8 x 1 sequences
 E4M3_HALF_ULP = 2.0 ** -4  # relative rounding error bound of a normal E4M3 value
 E4M3_SUBNORMAL_STEP = 2.0 ** -9  # spacing of E4M3 subnormals (x 448 / amax in data units)
@@ -180,7 +181,7 @@ def test_trainer_o2_fp8_grad_comm_tracks_native(tmp_path):
   """`--set parallel.grad_comm=fp8` on the tiny config (shrunk), ZeRO-3 at O2, 3 steps; the
   native ZeRO step replays the same batches from the same initial state. The weights reach
   the step as FP8 (kernels) / FP16 (the rest) bits: no float all-gather. (ZeRO-2 at O2 runs
-  in tests/test_comm_scaling.py against the native reduction too.)"""
+  in tests/integration/test_comm_scaling.py against the native reduction too.)"""
   cfg = load_config(TINY, [
       "train.opt_level=O2", "train.steps=3", "parallel.zero_stage=3",
       "parallel.grad_comm=fp8", "model.n_layers=1", "model.d_model=64", "model.d_ff=128",

@@ -15,7 +15,7 @@ from fp8jax.config import (NOT_BUILT_YET, BatchRamp, Config, Fp8Section, ModelSe
 from fp8jax.models.gpt import ModelConfig
 from fp8jax.recipe import format_name
 
-CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 SHIPPED = sorted(glob.glob(os.path.join(CONFIGS, "*.yaml")))
 TINY = os.path.join(CONFIGS, "tiny.yaml")
 BASE = os.path.join(CONFIGS, "base.yaml")

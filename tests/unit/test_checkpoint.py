@@ -277,14 +277,14 @@ def test_resume_refuses_checkpoints_of_another_model_or_level():
   from types import SimpleNamespace
 
   from fp8jax.config import config_to_dict
-  from fp8jax.train.loop import Trainer
+  from fp8jax.train.resume import RunCheckpoints
   saved = load_config(None, ["model.d_model=256", "train.opt_level=O2"])
   meta = {"config": config_to_dict(saved)}
-  fake = lambda cfg: SimpleNamespace(config=cfg, checkpoints=SimpleNamespace(directory="ck"))
-  Trainer._check_same_run(fake(saved), meta)  # same model and level: fine
+  fake = lambda cfg: SimpleNamespace(config=cfg, directory="ck")
+  RunCheckpoints._check_same_run(fake(saved), meta)  # same model and level: fine
   with pytest.raises(ValueError) as e:
-    Trainer._check_same_run(fake(load_config(None, ["train.opt_level=O2"])), meta)
+    RunCheckpoints._check_same_run(fake(load_config(None, ["train.opt_level=O2"])), meta)
   assert "model.d_model=128 but the checkpoints in ck were written with model.d_model=256" in (
       str(e.value))
   with pytest.raises(ValueError, match="train.opt_level='O1' but .* train.opt_level='O2'"):
-    Trainer._check_same_run(fake(load_config(None, ["model.d_model=256"])), meta)
+    RunCheckpoints._check_same_run(fake(load_config(None, ["model.d_model=256"])), meta)

@@ -8,7 +8,7 @@ from fp8jax.models.gpt import ModelConfig, flops_per_token, matmul_param_count
 from fp8jax.parallel import cost_model as cm
 from fp8jax.parallel.balance import KindProfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG_7B = os.path.join(ROOT, "configs", "gpt_7b.yaml")
 # 7B shape of configs/gpt_7b.yaml without reading YAML
 BIG_CONFIG = ModelConfig(vocab_size=256, d_model=4096, n_layers=32, n_heads=32, d_ff=11008,

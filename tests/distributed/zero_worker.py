@@ -1,7 +1,7 @@
 """One process of a multi-process ZeRO-3 run (spawned by test_zero.py): joins the group from
 the FP8JAX_* variables, trains the tiny decoder, process 0 saves the final parameters.
 
-Usage: python tests/zero_worker.py SEED OUT.npy (2 CPU devices per process).
+Usage: python tests/distributed/zero_worker.py SEED OUT.npy (2 CPU devices per process).
 """
 import sys
 

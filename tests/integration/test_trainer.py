@@ -11,7 +11,7 @@ from fp8jax import cli
 from fp8jax.config import load_config
 from fp8jax.train.loop import Trainer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 
 

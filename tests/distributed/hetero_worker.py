@@ -1,7 +1,7 @@
 """One process of a 2-process heterogeneous-mesh run (spawned by test_hetero.py and
 benchmarks/hetero/balance_cpu.py); 1 CPU device per process, joined through the FP8JAX_* variables.
 
-  python tests/hetero_worker.py OUT_DIR COUNTS REPEATS [TIMING_STEPS]
+  python tests/distributed/hetero_worker.py OUT_DIR COUNTS REPEATS [TIMING_STEPS]
 
 * capability: process 0 plays an A100 (sm 8.0), process 1 an H100 (sm 9.0); each writes the
   agreed plan to OUT_DIR/plan_<process>.json.

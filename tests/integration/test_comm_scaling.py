@@ -64,7 +64,7 @@ def test_trainer_auto_scaling_tracks_native_checkpoints_and_resumes(tmp_path):
     loss_native.append(float(m["loss"]))
   assert len(loss_auto) == 4 and np.all(np.isfinite(loss_auto))
   assert loss_auto[-1] < loss_auto[0] - 0.1, loss_auto
-  # as tests/test_grad_comm.py's O2 ZeRO-2 run: one E4M3 rounding of the gradients, ~1e-3
+  # as tests/integration/test_grad_comm.py's O2 ZeRO-2 run: one E4M3 rounding of the gradients, ~1e-3
   np.testing.assert_allclose(loss_auto, loss_native, rtol=1e-2)
   assert loss_auto[-1] != loss_native[-1]
   # the scaling state moved and is logged (step 1 casts with current scales, so nothing
