@@ -185,6 +185,7 @@ def cmd_simulate(args) -> int:
   from fp8jax.config import load_config
   from fp8jax.hardware import gpu_spec
   from fp8jax.parallel import cost_model as cm
+  from fp8jax.recipe import opt_level
   config = load_config(args.config)
   cluster = cm.parse_cluster(args.cluster, args.gpus_per_node, args.inter_node_gbps * 1e9 / 8)
   batch = args.batch or config.train.batch_size
@@ -204,7 +205,7 @@ def cmd_simulate(args) -> int:
   runs = []
   model = model_shape(config.model)
   for level in [x.strip().upper() for x in args.levels.split(",") if x.strip()]:
-    for stage in sorted({max(z, int(level == "O3")) for z in _stages(args.zero)}):
+    for stage in sorted({opt_level(level).zero_stage_for(z) for z in _stages(args.zero)}):
       runs.append(cm.predict(cluster, model, seq_len, batch, level, stage,
                              profiles=profiles.get((level, seq_len))))
   print(cm.format_table(runs))

@@ -21,12 +21,14 @@ import os
 import re
 from typing import Mapping, NamedTuple, Sequence
 
+import numpy as np
+
 from fp8jax.hardware import GPU_SPECS, fp8_native, gpu_spec
 from fp8jax.parallel import profile as profile_lib
 from fp8jax.parallel.balance import KindProfile, balance_counts, makespan, uniform_counts
+from fp8jax.recipe import LEVELS, OptLevel, opt_level
 
 GiB = 2**30
-LEVELS = ("O0", "O1", "O2", "O3")
 STAGES = (0, 1, 2, 3)
 PROFILE_FORMAT = profile_lib.FORMAT
 
@@ -225,35 +227,46 @@ def _check_level(level: str) -> str:
   return key
 
 
+def _level(level: str) -> OptLevel:
+  return opt_level(_check_level(level))
+
+
+def _bytes(dtype) -> int:
+  return int(np.dtype(dtype).itemsize)
+
+
 def _check_stage(level: str, stage: int) -> int:
   if isinstance(stage, bool) or stage not in STAGES:
     raise ValueError(f"ZeRO stage {stage!r} is not allowed; use one of {list(STAGES)}")
-  if level == "O3" and stage == 0:
-    raise ValueError("ZeRO stage 0 is not allowed at O3 (O3 shards); use stage 1, 2 or 3")
+  if _level(level).zero_stage > stage:
+    raise ValueError(f"ZeRO stage {stage} is not allowed at {level} (it shards); use stage "
+                     f"{_level(level).zero_stage} or above")
   return stage
 
 
 def state_bytes_per_param(level: str) -> dict[str, float]:
   """Persistent bytes per parameter by role: master, grads (accumulator), m, v."""
-  if _check_level(level) in ("O0", "O1"):
+  lv = _level(level)
+  if not lv.scaled_master:
     return {"master": 4, "grads": 4, "m": 4, "v": 4}  # f32 everything
-  return {"master": 2, "grads": 1, "m": 1, "v": 2}  # FP16 master, FP8 grads, E4M3 m, FP16 v
+  return {"master": _bytes(lv.master_dtype), "grads": 1, "m": _bytes(lv.mu_dtype),
+          "v": _bytes(lv.nu_dtype)}  # FP16 master, FP8 grads, E4M3 m, FP16 v
 
 
 def grad_comm_bytes(level: str) -> int:
   """Bytes per parameter of gradients on the wire: BF16 at O0, E4M3 at O1..O3."""
-  return 2 if _check_level(level) == "O0" else 1
+  return 1 if _level(level).fp8_gemms else 2
 
 
 def master_bytes(level: str) -> int:
   """Bytes per parameter of the stored (master) weights: f32 at O0/O1, FP16 at O2/O3."""
-  return 4 if _check_level(level) in ("O0", "O1") else 2
+  return _bytes(_level(level).master_dtype)
 
 
 def gather_bytes(level: str, kernel_params: int, other_params: int) -> float:
   """Bytes of one ZeRO-3 weight all-gather (whole model): FP8 GEMM kernels travel as E4M3
   at O1..O3 (1 byte), everything else as stored (fp8jax.parallel.zero)."""
-  if _check_level(level) == "O0":
+  if not _level(level).fp8_gemms:
     return 4.0 * (kernel_params + other_params)
   return 1.0 * kernel_params + master_bytes(level) * other_params
 
@@ -262,7 +275,7 @@ def optimizer_bytes_per_param(level: str) -> int:
   """HBM bytes one update touches per parameter. O0/O1 (optax adamw, f32): read p, g, m, v,
   write p, m, v = 28. O2/O3: read FP16 master 2, FP8 grad 1, E4M3 m 1, FP16 v 2, write
   master 2, m 1, v 2 = 11."""
-  return 28 if _check_level(level) in ("O0", "O1") else 11
+  return 11 if _level(level).scaled_master else 28
 
 
 # ----------------------------------------------------------------------------- time
@@ -276,7 +289,7 @@ def fp8_speedup(d_model: int, a: Assumptions) -> float:
 
 def level_speedup(level: str, kind: str, d_model: int, a: Assumptions) -> float:
   """Step speedup over BF16 of `level` on `kind`: 1 at O0; FP8's where native; < 1 emulated."""
-  if _check_level(level) == "O0":
+  if not _level(level).fp8_gemms:
     return 1.0
   return fp8_speedup(d_model, a) if fp8_native(kind) else 1.0 / a.emulated_fp8_overhead
 
@@ -321,7 +334,7 @@ def persistent_bytes(level: str, stage: int, kernels: int, others: int, gpus: in
   total += params * per["master"] / (gpus if stage == 3 else 1)
   if stage == 3:
     total += gather_bytes(level, kernels, others)
-  elif level in ("O2", "O3"):
+  elif _level(level).scaled_master:
     total += params * a.fp8_working_copy_bytes
   return total
 
@@ -481,7 +494,7 @@ def _evaluate(ctx: dict, m: int, balanced: bool) -> Split:
 def optimizer_seconds(level: str, stage: int, params: int, cluster: ClusterSpec,
                       a: Assumptions) -> float:
   """Update seconds on the slowest-HBM kind; stage >= 1 updates 1/gpus of the params."""
-  eff = a.hbm_efficiency if level in ("O0", "O1") else a.fp8_optimizer_hbm_efficiency
+  eff = a.fp8_optimizer_hbm_efficiency if _level(level).scaled_master else a.hbm_efficiency
   bw = min(gpu_spec(k).hbm_bw for k, _ in cluster.groups)
   shard = cluster.gpus if stage >= 1 else 1
   return optimizer_bytes_per_param(level) * params / shard / (bw * eff)
@@ -542,7 +555,7 @@ def predict(cluster: ClusterSpec, model: ModelShape, seq_len: int, global_batch:
   sizes = _candidates(global_batch, microbatch)
   uniform, balanced = _best(ctx, sizes, False), _best(ctx, sizes, True)
   speedup = uniform.step_s / balanced.step_s if uniform.feasible and balanced.feasible else None
-  emulated = tuple(k for k in ctx["kinds"] if level != "O0" and not fp8_native(k))
+  emulated = tuple(k for k in ctx["kinds"] if _level(level).fp8_gemms and not fp8_native(k))
   return Prediction(cluster.describe(), ctx["kind_list"], level, stage, seq_len, global_batch,
                     kernels + others, emulated, uniform, balanced, speedup, a)
 
