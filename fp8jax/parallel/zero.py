@@ -118,7 +118,8 @@ def replicated(tree, mesh: Mesh, rules: Sequence = GPT_RULES):
 def state_shardings(state, mesh: Mesh, stage: int, *,
                     axes: Sequence[str] = ZERO_AXES, offload: bool = False,
                     rules: Sequence = GPT_RULES):
-  """`state` (arrays or shapes) with a NamedSharding in place of every leaf for ZeRO `stage` (see the module docstring).
+  """`state` (arrays or shapes) with a NamedSharding in place of every leaf, for ZeRO
+  `stage` (see the module docstring).
 
   `offload` puts the optimizer state in host memory (needs stage >= 1).
   """

@@ -209,5 +209,5 @@ class Preemption:
     self._old = {}
 
 
-__all__ = ["DivergenceWatchdog", "Heartbeat", "NoHeartbeat", "Preemption", "STALL_EXIT_CODE", "SkipCounter",
-           "skip_nonfinite_steps"]
+__all__ = ["DivergenceWatchdog", "Heartbeat", "NoHeartbeat", "Preemption", "STALL_EXIT_CODE",
+           "SkipCounter", "skip_nonfinite_steps"]

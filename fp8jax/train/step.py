@@ -347,9 +347,10 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
   mesh = plan.mesh
   per_group = counts is not None or grad_comm == "fp8"
   gather = plan.gather_fn()
-  sharding = layout.batch_sharding(mesh, plan.axes)
+  sharding = plan.batch  # the batch axes (not the ZeRO axes, which may be fewer)
   if per_group:
-    loop = GroupLoop(mesh, plan.axes, grad_comm, comm_scaling, growth_interval)
+    loop = GroupLoop(mesh, grad_comm=grad_comm, comm_scaling=comm_scaling,
+                     growth_interval=growth_interval)
     n = loop.groups
     if counts is not None:
       counts = tuple(int(c) for c in counts)

@@ -295,3 +295,33 @@ def test_trainer_runs_o3_sharded_with_offload(tmp_path):
   assert int(state.step) == 2
   assert {x.sharding.memory_kind for x in jax.tree.leaves(state.opt_state)} == {"pinned_host"}
   assert _sharded_leaves(state.params)
+
+
+def test_state_is_initialised_straight_into_its_zero3_shards():
+  """init_state(shardings=...) compiles one program whose outputs are the shards: each device
+  holds about 1/8 of the state (the unsharded state would be all of it), and the values equal
+  an unsharded initialisation."""
+  from fp8jax.train.state import init_state, state_init_fn
+  model, tx, _ = _setup(ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2,
+                                    d_ff=256, max_seq_len=16))
+  mesh = parallel.make_mesh(data=4, fsdp=2)
+  init = state_init_fn(model, tx, LEVEL, 2, SEQ, 0)
+  shardings = parallel.plan(jax.eval_shape(init), mesh, 3, level=LEVEL).state
+  total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(init)))
+  per_device = jax.jit(init, out_shardings=shardings).lower().compile() \
+      .memory_analysis().output_size_in_bytes
+  assert per_device < 0.3 * total, (per_device, total)
+  state = init_state(model, tx, LEVEL, 2, SEQ, 0, shardings=lambda a: shardings)
+  assert all(x.sharding == s for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(shardings)))
+  plain = init_state(model, tx, LEVEL, 2, SEQ, 0)
+  for a, b in zip(jax.tree.leaves(parallel.to_host(state)), jax.tree.leaves(plain)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_trainer_stays_on_one_device_unless_parallelism_is_asked_for(tmp_path):
+  from fp8jax.train.loop import Trainer
+  base = ["train.steps=1", "train.warmup_steps=0", "train.batch_size=8", "model.n_layers=1",
+          "data.max_bytes=200000", f"runtime.run_dir={tmp_path}"]
+  assert Trainer(load_config(None, base), progress=False).plan.mesh.size == 1
+  wide = Trainer(load_config(None, base + ["parallel.data_parallel_size=8"]), progress=False)
+  assert dict(wide.plan.mesh.shape) == {"data": 8, "fsdp": 1, "tensor": 1}
