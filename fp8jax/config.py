@@ -27,6 +27,7 @@ import types
 import typing
 from typing import Any, Callable, Iterable
 
+import numpy as np
 import yaml
 
 from fp8jax.models.gpt import ModelConfig
@@ -319,17 +320,47 @@ class DataSection(_Section):
 
 @dataclasses.dataclass(frozen=True)
 class BatchRamp(_Section):
-  """Batch-size warm-up in tokens per optimizer step: `start_tokens` at step 0 growing linearly
-  to `end_tokens` at step `ramp_steps` (see :meth:`Config.batch_size_at` for the rounding)."""
+  """Batch-size warm-up in tokens per optimizer step (Megatron's ``--rampup-batch-size``):
+  `start_tokens` at step 0 growing linearly to `end_tokens` (the configured batch) over
+  `ramp_steps` steps or over `ramp_tokens` tokens seen (give one), rounded down to whole
+  microbatches (:meth:`Config.microbatches_at`). `lr_follows`: the learning-rate schedule's
+  clock, "steps" or "tokens" (tokens seen / tokens of a full step, so warmup and decay keep
+  their token budgets while the batch grows)."""
   _path = "train.batch_ramp"
   start_tokens: int = _field(rule=_ge(1))
   end_tokens: int = _field(rule=_ge(1))
-  ramp_steps: int = _field(rule=_ge(1))
+  ramp_steps: int | None = _field(None, _ge(1))
+  ramp_tokens: int | None = _field(None, _ge(1))
+  lr_follows: str = _field("steps", _one_of("steps", "tokens"))
 
   def _check(self):
     if self.start_tokens > self.end_tokens:
       _fail(f"train.batch_ramp.start_tokens={self.start_tokens} is larger than "
             f"train.batch_ramp.end_tokens={self.end_tokens}; use start_tokens <= end_tokens")
+    if (self.ramp_steps is None) == (self.ramp_tokens is None):
+      _fail(f"train.batch_ramp needs exactly one of ramp_steps (steps to reach end_tokens) and "
+            f"ramp_tokens (tokens seen to reach it); got ramp_steps={self.ramp_steps}, "
+            f"ramp_tokens={self.ramp_tokens}")
+
+  def tokens_at(self, step: int, seen: int) -> int:
+    """Tokens per step for 0-based `step` after `seen` tokens, before rounding."""
+    if self.ramp_steps is not None:
+      done, whole = min(max(step, 0), self.ramp_steps), self.ramp_steps
+    else:
+      done, whole = min(seen, self.ramp_tokens), self.ramp_tokens
+    return self.start_tokens + (self.end_tokens - self.start_tokens) * done // whole
+
+
+@functools.cache
+def _ramp_microbatches(ramp: BatchRamp, quantum: int, steps: int) -> np.ndarray:
+  """int64[steps]: microbatches of each step 0..steps-1 of `ramp`, rounded down to whole
+  microbatches of `quantum` tokens."""
+  counts, seen = np.empty(steps, np.int64), 0
+  for step in range(steps):
+    counts[step] = ramp.tokens_at(step, seen) // quantum
+    seen += int(counts[step]) * quantum
+  counts.setflags(write=False)
+  return counts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -637,18 +668,25 @@ class Config(_Section):
 
   def microbatches_at(self, step: int) -> int:
     """Microbatches in optimizer step `step` (0-based). Without a ramp: train.microbatches.
-    With one: tokens grow linearly from start_tokens (step 0) to end_tokens (step
-    ramp_steps and after), rounded down to whole microbatches."""
-    ramp = self.train.batch_ramp
-    if ramp is None:
+    With one: tokens grow linearly from start_tokens (step 0) to end_tokens (after
+    ramp_steps steps or ramp_tokens tokens seen), rounded down to whole microbatches."""
+    ramp, steps = self.train.batch_ramp, self.train.steps
+    if ramp is None or step >= steps:
       return self.train.microbatches
-    grown = (ramp.end_tokens - ramp.start_tokens) * min(max(step, 0), ramp.ramp_steps)
-    tokens = ramp.start_tokens + grown // ramp.ramp_steps
-    return tokens // self._microbatch_tokens
+    return int(_ramp_microbatches(ramp, self._microbatch_tokens, steps)[max(step, 0)])
 
   def batch_size_at(self, step: int) -> int:
     """Sequences in optimizer step `step` (0-based); see :meth:`microbatches_at`."""
     return self.microbatches_at(step) * self.train.microbatch_size
+
+  def tokens_seen(self, step: int) -> int:
+    """Training tokens in steps 0..step-1."""
+    ramp, steps, full = self.train.batch_ramp, self.train.steps, self._microbatch_tokens
+    if ramp is None:
+      return max(step, 0) * self.train.microbatches * full
+    counts = _ramp_microbatches(ramp, full, steps)
+    past = max(step - steps, 0) * self.train.microbatches
+    return (int(np.sum(counts[:min(max(step, 0), steps)])) + past) * full
 
   def level(self) -> OptLevel:
     """The ``fp8jax`` opt level of train.opt_level, its recipe taken from the fp8 section."""

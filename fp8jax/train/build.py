@@ -14,7 +14,7 @@ from fp8jax.dot import native_fp8_reason
 from fp8jax.models.gpt import GPT
 from fp8jax.parallel.layout import group_count
 from fp8jax.parallel.zero import ZeroPlan
-from fp8jax.train.optimizer import lr_schedule, make_fused_update, make_optimizer
+from fp8jax.train.optimizer import make_fused_update, make_optimizer, schedule_for
 from fp8jax.train.step import TrainStep, build_step
 
 
@@ -22,7 +22,7 @@ def model_and_optimizer(config):
   """(GPT at the config's level, learning-rate schedule, optax optimizer with clipping)."""
   level, t = config.level(), config.train
   model = GPT(config.model.model_config(), level.recipe)
-  schedule = lr_schedule(t.learning_rate, t.warmup_steps, t.steps, t.min_lr_ratio)
+  schedule = schedule_for(config)
   tx = make_optimizer(schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
                       clip_norm=t.gradient_clipping, level=level)
   return model, schedule, tx
@@ -92,10 +92,15 @@ def fused_update_fn(config, schedule, plan: ZeroPlan) -> Callable | None:
 
 
 class StepCache:
-  """The run's compiled train steps, one per (model, microbatch count).
+  """The run's compiled train steps: one per model, or one per (model, microbatch count) when
+  the count is fixed per step.
+
+  With a batch ramp (``train.batch_ramp``) the step is dynamic (``build_step(...,
+  dynamic=True)``): the microbatch count is data, so every step of the ramp runs one compiled
+  program built for the largest count.
 
   Args:
-    config: the run's config (gradient communication, weight casts, compute dtype).
+    config: the run's config (gradient communication, weight casts, compute dtype, ramp).
     tx: the optimizer; plan: the ZeRO plan; fused_update: from :func:`fused_update_fn`.
     counts_fn: optional ``microbatches -> counts per data-parallel group`` (balanced runs,
       ``parallel.device_map``); None: every group runs every microbatch.
@@ -105,22 +110,28 @@ class StepCache:
                counts_fn: Callable[[int], Sequence[int]] | None = None):
     self.config, self.tx, self.plan = config, tx, plan
     self.fused_update, self.counts_fn = fused_update, counts_fn
+    self.dynamic = config.train.batch_ramp is not None
     self._steps: dict = {}
 
   def get(self, model, microbatches: int) -> TrainStep:
-    """The jitted step of `model` for `microbatches` microbatches (built once)."""
+    """The jitted step of `model` that runs steps of `microbatches` microbatches (built
+    once; with a ramp, one step for every count up to ``train.microbatches``)."""
+    c = self.config
+    if self.dynamic:
+      if not 1 <= microbatches <= c.train.microbatches:
+        raise ValueError(f"a step of {microbatches} microbatches is outside the ramp's 1.."
+                         f"{c.train.microbatches}")
+      microbatches = c.train.microbatches
     key = (id(model), microbatches)
     if key not in self._steps:
-      c = self.config
       self._steps[key] = (model, build_step(
-          model.apply, self.tx, self.plan, microbatches,
-          counts=None if self.counts_fn is None else self.counts_fn(microbatches),
-          microbatch_size=c.train.microbatch_size, grad_comm=c.grad_comm(),
-          comm_scaling=c.parallel.grad_comm_scaling,
+          model.apply, self.tx, self.plan, microbatches, counts=self.counts_fn,
+          dynamic=self.dynamic, microbatch_size=c.train.microbatch_size,
+          grad_comm=c.grad_comm(), comm_scaling=c.parallel.grad_comm_scaling,
           growth_interval=c.grad_comm_growth_interval(), fused_update=self.fused_update,
           cast_weights=weight_cast_fn(c, model, microbatches), matrix_dtype=c.model.dtype))
     return self._steps[key][1]
 
   def built(self) -> list[tuple]:
-    """(model, microbatches) of every step built so far."""
+    """(model, microbatches) of every step built so far (with a ramp: the largest count)."""
     return [(m, k[1]) for k, (m, _) in self._steps.items()]

@@ -114,7 +114,11 @@ class Trainer:
         heartbeat.beat()
         window.add(m, batch)
         last = step + 1 == t.steps
-        if (step + 1) % t.log_every == 0 or last:
+        logs = (step + 1) % t.log_every == 0 or last
+        if t.batch_ramp is not None and not logs:  # the ramp's batch of every step
+          self.writer.write(step + 1, {"batch_tokens": window.last_tokens,
+                                       "tokens_seen": cfg.tokens_seen(step + 1)})
+        if logs:
           final.update(self._log_window(step, window, m))
           bar.advance(0, final)
           window = _Window()
@@ -192,6 +196,7 @@ class Trainer:
     losses = [float(x) for x in window.losses]  # waits for the device
     tokens_per_s = window.tokens / max(window.seconds(), 1e-9)
     out = {"loss": float(np.mean(losses)), "grad_norm": float(last_metrics["grad_norm"]),
+           "batch_tokens": window.last_tokens, "tokens_seen": self.config.tokens_seen(step + 1),
            "lr": float(self.schedule(step)), "tokens_per_s": tokens_per_s,
            "mfu": metrics_lib.mfu(self.flops_per_token, tokens_per_s, self.fp8_peak),
            **metrics_lib.memory_in_use(), **metrics_lib.comm_scaling(window.comm)}
@@ -374,7 +379,7 @@ class _Window:
   def __init__(self):
     self.losses: list = []
     self.comm: list = []
-    self.tokens = 0
+    self.tokens = self.last_tokens = 0
     self.restart()
 
   def restart(self) -> None:
@@ -384,7 +389,8 @@ class _Window:
     self.losses.append(metrics["loss"])
     if "comm_pre_scale_min" in metrics and not bool(metrics["skipped"]):  # a skip keeps it
       self.comm.append((metrics["comm_pre_scale_min"], metrics["comm_saturated_max"]))
-    self.tokens += batch.shape[0] * (batch.shape[1] - 1)
+    self.last_tokens = batch.shape[0] * (batch.shape[1] - 1)
+    self.tokens += self.last_tokens
 
   def seconds(self) -> float:
     return time.perf_counter() - self.t0

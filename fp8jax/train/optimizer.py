@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fp8jax import optim as fp8_optim
@@ -15,6 +16,31 @@ def lr_schedule(peak: float, warmup_steps: int, total_steps: int, min_ratio: flo
   warmup = max(0, min(warmup_steps, total_steps - 1))
   return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(total_steps, warmup + 1),
                                             end_value=peak * min_ratio)
+
+
+def on_token_clock(schedule, tokens_seen, full_step_tokens: int):
+  """`schedule` (a function of full-batch steps) read at tokens seen / `full_step_tokens`: a
+  schedule of the optimizer step for a run whose batch grows. `tokens_seen`: int[S + 1],
+  the tokens before each step 0..S (later steps read the last entry)."""
+  clock = jnp.asarray(np.asarray(tokens_seen, np.float64) / full_step_tokens, jnp.float32)
+  return lambda count: schedule(clock[jnp.minimum(count, clock.shape[0] - 1)])
+
+
+def schedule_for(config):
+  """The run's learning-rate schedule: :func:`lr_schedule` of the train section by optimizer
+  step, or with ``train.batch_ramp.lr_follows: tokens`` by tokens seen (warmup over
+  warmup_steps full steps' worth of tokens, decay ending with the run's last token)."""
+  t, ramp = config.train, config.train.batch_ramp
+  if ramp is None or ramp.lr_follows == "steps":
+    return lr_schedule(t.learning_rate, t.warmup_steps, t.steps, t.min_lr_ratio)
+  full = t.batch_size * config.data.seq_len
+  per_step = [config.batch_size_at(s) * config.data.seq_len for s in range(t.steps)]
+  seen = np.concatenate([[0], np.cumsum(per_step)])
+  total = max(float(seen[-1]) / full, 1.0)
+  warmup = min(t.warmup_steps, total - 1)
+  base = optax.warmup_cosine_decay_schedule(0.0, t.learning_rate, max(warmup, 0), total,
+                                            end_value=t.learning_rate * t.min_lr_ratio)
+  return on_token_clock(base, seen, full)
 
 
 def decay_mask(params):

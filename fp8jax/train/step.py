@@ -94,27 +94,37 @@ class GroupLoop:
     return self.comm_scaling == "auto"
 
 
-def scan_microbatches(grad_fn: Callable, variables, batch, microbatches: int):
-  """The uniform loop: `batch` int32[B, T+1] split into `microbatches` equal parts, scanned.
+def scan_microbatches(grad_fn: Callable, variables, batch, microbatches: int, count=None):
+  """The uniform loop: `batch` int32[B, T+1] split into `microbatches` equal parts, run in order.
 
-  `grad_fn(variables, part) -> (loss, grads)`. Returns (mean loss, mean parameter gradients
-  in f32 and FP8 state combined by max)."""
+  `grad_fn(variables, part) -> (loss, grads)`. `count`: None (all parts, a static scan) or an
+  int32 scalar, possibly traced, in [1, microbatches]: only the first `count` parts run (a
+  loop with a dynamic trip count over the fixed part shape, so one compiled program serves
+  every count). Returns (mean loss, mean parameter gradients in f32 and FP8 state combined
+  by max) over the parts that ran."""
   if batch.shape[0] % microbatches:
     raise ValueError(f"batch of {batch.shape[0]} sequences does not split into "
                      f"{microbatches} microbatches")
-  if microbatches == 1:  # no accumulator: the gradient as it comes
+  if microbatches == 1 and count is None:  # no accumulator: the gradient as it comes
     return grad_fn(variables, batch)
   parts = batch.reshape(microbatches, batch.shape[0] // microbatches, *batch.shape[1:])
+  zeros = (jnp.zeros((), jnp.float32), accumulator_zeros(variables))
 
-  def body(carry, part):
+  def add(carry, part):
     loss_sum, acc = carry
     loss, g = grad_fn(variables, part)
-    return (loss_sum + loss, accumulate_gradients(acc, g)), None
+    return loss_sum + loss, accumulate_gradients(acc, g)
 
-  (loss_sum, acc), _ = lax.scan(
-      body, (jnp.zeros((), jnp.float32), accumulator_zeros(variables)), parts)
-  acc = {**acc, "params": jax.tree.map(lambda g: g / microbatches, acc["params"])}
-  return loss_sum / microbatches, acc
+  if count is None:
+    (loss_sum, acc), _ = lax.scan(lambda c, part: (add(c, part), None), zeros, parts)
+    n = jnp.float32(microbatches)
+  else:
+    loss_sum, acc = lax.fori_loop(
+        0, count, lambda i, c: add(c, lax.dynamic_index_in_dim(parts, i, keepdims=False)),
+        zeros)
+    n = jnp.asarray(count).astype(jnp.float32)
+  acc = {**acc, "params": jax.tree.map(lambda g: g / n.astype(g.dtype), acc["params"])}
+  return loss_sum / n, acc
 
 
 def _max_over_groups(tree, axes):
@@ -174,8 +184,9 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
                     matrix_dtype=None):
   """A jittable train step.
 
-  Without `groups`: ``step(state, batch int32[B, T+1]) -> (state, metrics)`` running
-  :func:`scan_microbatches`. With `groups`: ``step(state, batch int32[G, n, m, T+1],
+  Without `groups`: ``step(state, batch int32[B, T+1], count=None) -> (state, metrics)``
+  running :func:`scan_microbatches` (`count`: an int32 scalar, the number of the batch's
+  `microbatches` parts that run; None: all). With `groups`: ``step(state, batch int32[G, n, m, T+1],
   counts int32[G], repeats int32[G] | None = None)`` running :func:`group_microbatches` inside
   ``shard_map`` (batch and counts sharded over the groups: ``fp8jax.parallel.layout``).
 
@@ -226,15 +237,17 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
       g = {**g, "params": reduce_gradients(jax.tree.map(widen, g["params"]))}
     return loss, g
 
-  def uniform(state: TrainState, batch):
+  def uniform(state: TrainState, batch, count=None):
     variables = state.variables(matrix_dtype)  # decoded once, for every microbatch
     extra = {}
     if cast_weights is not None:  # once, for every microbatch
       extra = cast_weights(jax.lax.stop_gradient(variables))
     loss, grads = scan_microbatches(
         functools.partial(grad_fn, extra=extra, gather=gather_params), variables, batch,
-        microbatches)
-    if microbatches == 1 and fused_update is None:  # the fused update reads narrow grads
+        microbatches, count)
+    # One static microbatch returns its gradient as it comes; the fused update reads it
+    # narrow, the rest in f32.
+    if microbatches == 1 and count is None and fused_update is None:
       grads = {**grads, "params": jax.tree.map(widen, grads["params"])}
     return apply_gradients(state, tx, grads, loss, fused_update)
 
@@ -329,48 +342,75 @@ class TrainStep(NamedTuple):
 
 
 def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroPlan,
-               microbatches: int, *, counts: Sequence[int] | None = None,
-               microbatch_size: int | None = None, grad_comm: str = "native",
-               comm_scaling: str = "current", growth_interval: int = 1000,
-               fused_update: Callable | None = None, cast_weights: Callable | None = None,
-               matrix_dtype=None, skip_nonfinite: bool = True) -> TrainStep:
+               microbatches: int, *, counts: Callable[[int], Sequence[int]] | None = None,
+               dynamic: bool = False, microbatch_size: int | None = None,
+               grad_comm: str = "native", comm_scaling: str = "current",
+               growth_interval: int = 1000, fused_update: Callable | None = None,
+               cast_weights: Callable | None = None, matrix_dtype=None,
+               skip_nonfinite: bool = True) -> TrainStep:
   """The jitted step of `plan`'s layout for a step of `microbatches` microbatches.
 
-  The loop is per group when `counts` (microbatches per data-parallel group, summing to
-  `microbatches`; needs `microbatch_size`) is given or `grad_comm` is "fp8" (every group
-  then runs all microbatches on its 1/G of each: the uniform split); else the scanned
-  uniform loop with the plan's gradient layout (`cast_weights` and `matrix_dtype` apply
-  there below ZeRO-3, and are not used elsewhere). `skip_nonfinite` wraps the step in
-  ``guards.skip_nonfinite_steps`` (metrics gain ``skipped``). Other arguments: as for
-  :func:`make_train_step`.
+  Args:
+    microbatches: microbatches per step; with `dynamic`, the most a step may have.
+    counts: optional ``k -> microbatches per data-parallel group`` (one count per group,
+      summing to k) for a step of k microbatches: the per-group loop with these counts.
+    dynamic: the step takes a batch of any whole number k in [1, microbatches] of
+      microbatches of `microbatch_size` sequences (a batch-size ramp). The host pads it to
+      the largest shape and passes k (or the groups' counts) as data: one compiled program
+      serves every k.
+    microbatch_size: sequences per microbatch (needed with `counts` or `dynamic`).
+    skip_nonfinite: wrap the step in ``guards.skip_nonfinite_steps`` (metrics gain
+      ``skipped``).
+    Other arguments: as for :func:`make_train_step`.
+
+  The loop is per group when `counts` is given or `grad_comm` is "fp8" (every group then
+  runs all microbatches on its 1/G of each: the uniform split); else the uniform loop with
+  the plan's gradient layout (`cast_weights` and `matrix_dtype` apply there below ZeRO-3 and
+  are not used elsewhere).
   """
   mesh = plan.mesh
   per_group = counts is not None or grad_comm == "fp8"
+  if (counts is not None or dynamic) and microbatch_size is None:
+    raise ValueError("build_step: counts and dynamic need microbatch_size (sequences per "
+                     "microbatch)")
   gather = plan.gather_fn()
   sharding = plan.batch  # the batch axes (not the ZeRO axes, which may be fewer)
+  sizes = range(1, microbatches + 1) if dynamic else (microbatches,)
+
+  def size_of(batch) -> int:  # the batch's microbatch count k
+    if not dynamic:
+      return microbatches
+    k, rest = divmod(batch.shape[0], microbatch_size)
+    if rest or not 1 <= k <= microbatches:
+      raise ValueError(f"a batch of {batch.shape[0]} sequences is not 1..{microbatches} "
+                       f"microbatches of {microbatch_size} sequences")
+    return k
+
   if per_group:
     loop = GroupLoop(mesh, grad_comm=grad_comm, comm_scaling=comm_scaling,
                      growth_interval=growth_interval)
     n = loop.groups
     if counts is not None:
-      counts = tuple(int(c) for c in counts)
-      if microbatch_size is None or len(counts) != n or sum(counts) != microbatches:
-        raise ValueError(f"counts {counts} must give each of the {n} data-parallel groups a "
-                         f"count, summing to microbatches={microbatches}, with "
-                         f"microbatch_size set (got {microbatch_size!r})")
-      arrange = functools.partial(layout.layout_counts, counts=counts,
-                                  microbatch_size=microbatch_size)
+      split = functools.lru_cache(maxsize=None)(
+          lambda k: _checked_counts(counts(k), k, n))
+      arrange = lambda batch, k, c: layout.layout_counts(batch, c, microbatch_size)
     else:
       if microbatch_size is not None and microbatch_size % n:
         raise ValueError(f"parallel.grad_comm='fp8': a microbatch of {microbatch_size} "
                          f"sequences does not split over the {n} data-parallel ranks; use a "
                          f"microbatch size that is a multiple of {n}")
-      counts = (microbatches,) * n
-      arrange = functools.partial(layout.layout_split, microbatches=microbatches, groups=n)
+      split = lambda k: (k,) * n
+      arrange = lambda batch, k, c: layout.layout_split(batch, k, n)
+    slots = max(max(split(k)) for k in sizes)
     step = make_train_step(apply_fn, tx, microbatches, groups=loop, gather_params=gather,
                            fused_update=fused_update)
-    counts_array = layout.put_global(np.asarray(counts, np.int32), sharding)
-    place = lambda batch: (layout.put_global(arrange(batch), sharding), counts_array)
+
+    def place(batch):
+      k = size_of(batch)
+      c = split(k)
+      laid = _pad_to(arrange(batch, k, c), 1, slots)
+      return (layout.put_global(laid, sharding),
+              layout.put_global(np.asarray(c, np.int32), sharding))
     batch_shardings: tuple = (sharding, sharding)
   else:
     below3 = gather is None
@@ -378,17 +418,41 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
                            reduce_gradients=plan.reduce_fn(), fused_update=fused_update,
                            cast_weights=cast_weights if below3 else None,
                            matrix_dtype=matrix_dtype if below3 else None)
-    place = lambda batch: (layout.put_global(batch, sharding),)
-    batch_shardings = (sharding,)
+    if dynamic:
+      rows, scalar = microbatches * microbatch_size, layout.replicated(mesh)
+      place = lambda batch: (layout.put_global(_pad_to(batch, 0, rows), sharding),
+                             layout.put_global(np.int32(size_of(batch)), scalar))
+      batch_shardings = (sharding, scalar)
+    else:
+      place = lambda batch: (layout.put_global(batch, sharding),)
+      batch_shardings = (sharding,)
   if skip_nonfinite:
     inside = ("params", "opt_state") if fused_update is not None else ()
     step = guards.skip_nonfinite_steps(step, skipped_inside=inside)
 
-  def placed(state, *args):
+  def train_step(state, *args):
     new, metrics = step(plan.to_device(state), *args)
     return plan.to_home(new), metrics
 
-  jitted = jax.jit(placed, in_shardings=(plan.state, *batch_shardings),
+  jitted = jax.jit(train_step, in_shardings=(plan.state, *batch_shardings),
                    out_shardings=(plan.state, layout.replicated(mesh)), donate_argnums=0,
                    compiler_options=plan.compiler_options or None)
   return TrainStep(jitted, place)
+
+
+def _checked_counts(counts: Sequence[int], k: int, groups: int) -> tuple[int, ...]:
+  """`counts` as a tuple of ints; ValueError unless one count >= 0 per group summing to k."""
+  counts = tuple(int(c) for c in counts)
+  if len(counts) != groups or sum(counts) != k or min(counts) < 0:
+    raise ValueError(f"counts {counts} must give each of the {groups} data-parallel groups a "
+                     f"count >= 0, summing to the step's {k} microbatches")
+  return counts
+
+
+def _pad_to(x: np.ndarray, axis: int, size: int) -> np.ndarray:
+  """`x` zero-padded at the end of `axis` to `size` (the slots no loop reads)."""
+  if x.shape[axis] == size:
+    return x
+  width = [(0, 0)] * x.ndim
+  width[axis] = (0, size - x.shape[axis])
+  return np.pad(x, width)

@@ -1,4 +1,5 @@
-"""`fp8jax train` killed and relaunched: auto-resume is bit-identical; SIGTERM loses no step."""
+"""`fp8jax train` killed and relaunched (mid batch ramp): auto-resume is bit-identical;
+SIGTERM loses no step."""
 import os
 import random
 import signal
@@ -17,9 +18,15 @@ def cache(tmp_path_factory):
   return tmp_path_factory.mktemp("jax_cache")
 
 
+# A batch ramp from 1 to 4 microbatches over 30 of the 40 steps: a kill lands mid-ramp.
+RAMP = {"opt_level": "O2", "microbatches": 4,
+        "batch_ramp": {"start_tokens": 32, "end_tokens": 128, "ramp_steps": 30,
+                       "lr_follows": "tokens"}}
+
+
 def _uninterrupted(tmp_path, cache):
   run_dir = tmp_path / "ref"
-  cfg = ft_util.tiny_config(tmp_path / "ref.yaml", run_dir, train={"opt_level": "O2"})
+  cfg = ft_util.tiny_config(tmp_path / "ref.yaml", run_dir, train=RAMP)
   result = ft_util.run(ft_util.train_cmd(cfg), 300, env=ft_util.env(cache))
   assert result.returncode == 0, result.stderr[-3000:]
   return run_dir
@@ -29,7 +36,7 @@ def _uninterrupted(tmp_path, cache):
 def test_kill_9_then_auto_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, cache):
   ref_dir = _uninterrupted(tmp_path, cache)
   run_dir = tmp_path / "killed"
-  cfg = ft_util.tiny_config(tmp_path / "killed.yaml", run_dir, train={"opt_level": "O2"})
+  cfg = ft_util.tiny_config(tmp_path / "killed.yaml", run_dir, train=RAMP)
   kill_at = random.Random().randint(4, 30)  # of 40 steps; checkpoints every 3
   print(f"SIGKILL once step {kill_at} is logged")
   proc = subprocess.Popen(ft_util.train_cmd(cfg), env=ft_util.env(cache), cwd=ft_util.ROOT,
