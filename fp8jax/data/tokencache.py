@@ -4,14 +4,15 @@ The cache file is named by a SHA-256 key of everything its contents depend on: t
 (resolved paths, sizes and modification times, in order), the tokenizer file's bytes, the
 document separator, `max_bytes` and the ``tokenizers`` version. A later load with the same key
 memory-maps the file instead of encoding again; changing any of them makes a new file. Files are
-written under a temporary name and renamed when complete, so a present file is a whole one
-(several processes may race to write it; each writes the same bytes). Each cache file has a JSON
-note beside it saying what it holds. Token dtype: uint16 for vocabularies of up to 65,536 ids,
-else uint32 (see :mod:`fp8jax.data.binfile`).
+written under a temporary name and renamed when complete, so a present file is a whole one;
+processes of one host take turns through a lock file (the first encodes, the others reuse).
+Each cache file has a JSON note beside it saying what it holds. Token dtype: uint16 for
+vocabularies of up to 65,536 ids, else uint32 (see :mod:`fp8jax.data.binfile`).
 """
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
@@ -128,17 +129,21 @@ def cached_tokens(files: Sequence[Path], tokenizer_path: str | os.PathLike, *,
   if path.is_file():
     return CachedTokens(path, vocab, separator, created=False)
   folder.mkdir(parents=True, exist_ok=True)
-  partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
-  try:
-    count = tokenize_files(files, tokenizer, partial, max_bytes=max_bytes, separator=separator,
-                           dtype=binfile.token_dtype(vocab), progress=progress)
-    note = {"tokens": count, "vocab_size": vocab, "separator": separator._asdict(),
-            "tokenizer": str(Path(tokenizer_path).resolve()), "files": len(files),
-            "first_file": str(files[0]) if files else None, "max_bytes": max_bytes, "key": key}
-    path.with_suffix(".json").write_text(json.dumps(note, indent=1) + "\n")
-    os.replace(partial, path)
-  finally:
-    if partial.exists():
-      partial.unlink()
+  with open(path.with_suffix(".lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)  # processes of one host: the first encodes, the rest wait
+    if path.is_file():
+      return CachedTokens(path, vocab, separator, created=False)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    try:
+      count = tokenize_files(files, tokenizer, partial, max_bytes=max_bytes, separator=separator,
+                             dtype=binfile.token_dtype(vocab), progress=progress)
+      note = {"tokens": count, "vocab_size": vocab, "separator": separator._asdict(),
+              "tokenizer": str(Path(tokenizer_path).resolve()), "files": len(files),
+              "first_file": str(files[0]) if files else None, "max_bytes": max_bytes, "key": key}
+      path.with_suffix(".json").write_text(json.dumps(note, indent=1) + "\n")
+      os.replace(partial, path)
+    finally:
+      if partial.exists():
+        partial.unlink()
   logger.info("tokenized %d file(s) into %s tokens: %s", len(files), f"{count:,}", path)
   return CachedTokens(path, vocab, separator, created=True)

@@ -3,6 +3,9 @@ redone when an input changes), uint32 for vocabularies > 65,536, document separa
 vocabulary checks, and exact resume for every kind of source."""
 import json
 import os
+import subprocess
+import sys
+import time
 
 import jax
 import numpy as np
@@ -74,8 +77,8 @@ def test_text_is_tokenized_once_then_read_from_the_cache(bpe, tmp_path, monkeypa
   np.testing.assert_array_equal(again.tokens, first.tokens)
   hit = data.cached_tokens(files, tok_path, max_bytes=60_000, cache_dir=cache)
   assert not hit.created and hit.separator == data.Separator(EOS, 0, "after")
-  assert sorted(p.name for p in cache.iterdir()) == sorted([first.cache_path.name,
-                                                            first.cache_path.stem + ".json"])
+  stem = first.cache_path.stem
+  assert sorted(p.name for p in cache.iterdir()) == [f"{stem}.bin", f"{stem}.json", f"{stem}.lock"]
 
 
 def test_changed_inputs_tokenize_again(bpe, tmp_path):
@@ -98,6 +101,34 @@ def test_changed_inputs_tokenize_again(bpe, tmp_path):
   assert all(c.created for c in (edited, capped, retok)) and len(set(paths)) == 4
   assert tok.decode(load_data(src, tokenizer=tok_path, cache_dir=cache, vocab_size=400,
                               val_fraction=0).tokens.tolist()).endswith("class B:\n  pass\n")
+
+
+_ENCODE_WHEN_TOLD = """
+import os, sys, time
+from fp8jax import data
+files, tok, cache, me = sys.argv[1].split(os.pathsep), sys.argv[2], sys.argv[3], sys.argv[4]
+open(os.path.join(cache, "ready" + me), "w").close()
+while not os.path.exists(os.path.join(cache, "go")):
+  time.sleep(0.005)
+print(data.cached_tokens(files, tok, max_bytes=None, cache_dir=cache).created)
+"""
+
+
+@pytest.mark.slow
+def test_processes_encode_once(bpe, tmp_path):
+  """Two processes ask for the same missing cache file at the same moment: one encodes."""
+  files = os.pathsep.join(str(f) for f in data.stdlib_files()[100:300])  # ~0.3 s of encoding
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+  procs = [subprocess.Popen([sys.executable, "-c", _ENCODE_WHEN_TOLD, files, str(bpe[1]),
+                             str(tmp_path), str(i)], stdout=subprocess.PIPE, text=True, env=env)
+           for i in range(2)]
+  deadline = time.monotonic() + 120
+  while not all((tmp_path / f"ready{i}").exists() for i in range(2)):
+    assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+    time.sleep(0.01)
+  (tmp_path / "go").touch()
+  created = [p.communicate(timeout=120)[0].strip() for p in procs]
+  assert sorted(created) == ["False", "True"]
 
 
 def test_vocabulary_over_65536_is_stored_as_uint32(key, tmp_path):
