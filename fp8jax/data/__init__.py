@@ -16,12 +16,13 @@ from fp8jax.data.corpus import TokenData, load_data
 from fp8jax.data.files import (BYTE_VOCAB, DEFAULT_MAX_BYTES, DOC_SEPARATOR, iter_documents,
                                read_documents, resolve_files, source_files, stdlib_files)
 from fp8jax.data.tokencache import CachedTokens, cache_key, cached_tokens, default_cache_dir
-from fp8jax.data.tokenizer import Separator, document_separator, load_tokenizer, vocab_size
+from fp8jax.data.tokenizer import (Separator, document_separator, load_tokenizer,
+                                   tokenizer_vocab_size)
 
 __all__ = [
     "BIN_DTYPE", "BYTE_VOCAB", "BatchIterator", "BinWriter", "CachedTokens", "DEFAULT_MAX_BYTES",
     "DEFAULT_TRAIN_BYTES", "DOC_SEPARATOR", "EOS_TOKEN", "Separator", "TokenData", "bin_layout",
     "cache_key", "cached_tokens", "default_cache_dir", "document_separator", "iter_documents",
     "load_bin", "load_data", "load_tokenizer", "read_documents", "resolve_files", "source_files",
-    "stdlib_files", "token_dtype", "train_tokenizer", "vocab_size", "write_bin",
+    "stdlib_files", "token_dtype", "tokenizer_vocab_size", "train_tokenizer", "write_bin",
 ]

@@ -121,7 +121,7 @@ def cached_tokens(files: Sequence[Path], tokenizer_path: str | os.PathLike, *,
   `cache_dir` (None: :func:`default_cache_dir`) when its key matches, else encoded there by
   :func:`tokenize_files` first."""
   tokenizer = tokenizer_lib.load_tokenizer(tokenizer_path)
-  vocab = tokenizer_lib.vocab_size(tokenizer)
+  vocab = tokenizer_lib.tokenizer_vocab_size(tokenizer)
   separator = tokenizer_lib.document_separator(tokenizer, tokenizer_path)
   folder = Path(default_cache_dir() if cache_dir is None else cache_dir)
   key = cache_key(files, tokenizer_path, max_bytes, separator)

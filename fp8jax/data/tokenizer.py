@@ -57,7 +57,7 @@ def tokenizer_file(path: str | os.PathLike) -> Path:
   return path / "tokenizer.json" if path.is_dir() else path
 
 
-def vocab_size(tokenizer: tokenizers.Tokenizer) -> int:
+def tokenizer_vocab_size(tokenizer: tokenizers.Tokenizer) -> int:
   """Number of token ids: the largest id (added tokens included) + 1."""
   return max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
 

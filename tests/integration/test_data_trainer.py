@@ -26,8 +26,9 @@ def _config(tmp_path, tokenizer, vocab):
   return load_config(TINY, [
       "data.source=stdlib", f"data.tokenizer={tokenizer}", f"data.cache_dir={tmp_path}/cache",
       "data.max_bytes=200000", "data.seq_len=32", f"model.vocab_size={vocab}",
-      "model.n_layers=1", "train.steps=2", "train.warmup_steps=0", "train.batch_size=4", "train.eval_every=0",
-      "train.log_every=1", "train.opt_level=O0", f"runtime.run_dir={tmp_path}/{{name}}"])
+      "model.n_layers=1", "train.steps=2", "train.warmup_steps=0", "train.batch_size=4",
+      "train.eval_every=0", "train.log_every=1", "train.opt_level=O0",
+      f"runtime.run_dir={tmp_path}/{{name}}"])
 
 
 def test_trainer_trains_on_tokenizer_ids(tmp_path, tokenizer):

@@ -9,7 +9,7 @@ from fp8jax import data
 def test_train_tokenizer_on_a_corpus_slice(tmp_path):
   out = tmp_path / "sub" / "tokenizer.json"
   tok = data.train_tokenizer(None, 600, out, max_bytes=300_000)
-  assert out.is_file() and data.vocab_size(tokenizers.Tokenizer.from_file(str(out))) == 600
+  assert out.is_file() and data.tokenizer_vocab_size(tokenizers.Tokenizer.from_file(str(out))) == 600
   assert tok.get_vocab_size() == 600 and tok.token_to_id(data.EOS_TOKEN) == 0
   assert data.document_separator(tok, out) == data.Separator(data.EOS_TOKEN, 0, "after")
   # Unseen text (past the training slice, with non-ASCII) round-trips exactly, in fewer tokens.

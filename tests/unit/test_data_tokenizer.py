@@ -140,7 +140,7 @@ def test_vocabulary_over_65536_is_stored_as_uint32(key, tmp_path):
   corpus = load_data(tmp_path / "docs", tokenizer=tok_path, cache_dir=tmp_path / "cache",
                      vocab_size=70_002, val_fraction=0.2)
   eos = tok.token_to_id(EOS)
-  assert corpus.vocab_size == data.vocab_size(tok) == 70_002
+  assert corpus.vocab_size == data.tokenizer_vocab_size(tok) == 70_002
   assert data.bin_layout(corpus.cache_path) == (np.dtype("<u4"), 1024)
   assert corpus.tokens.dtype == np.uint32
   expected = np.concatenate([np.append(row, eos) for row in words])
@@ -199,7 +199,8 @@ def _sources(rng, tmp_path, bpe):
       "bytes": lambda: load_data(max_bytes=100_000),
       "u16.bin": lambda: load_data(tmp_path / "u16.bin", vocab_size=60_000),
       "u32.bin": lambda: load_data(tmp_path / "u32.bin", vocab_size=130_000),
-      "bpe": lambda: load_data(max_bytes=100_000, tokenizer=bpe[1], cache_dir=cache, vocab_size=400),
+      "bpe": lambda: load_data(max_bytes=100_000, tokenizer=bpe[1], cache_dir=cache,
+                               vocab_size=400),
       "words": lambda: load_data(tmp_path / "docs", tokenizer=words, cache_dir=cache,
                                  vocab_size=70_002),
   }
