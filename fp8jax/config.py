@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import yaml
 
+from fp8jax.data import BYTE_VOCAB
 from fp8jax.models.gpt import ModelConfig
 from fp8jax.parallel.combine import WITHOUT_XLA_MEANING
 from fp8jax.recipe import LEVELS, OptLevel, Recipe, format_name, opt_level
@@ -41,7 +42,6 @@ NOT_BUILT_YET = (
     ("model.dropout_rate", (0.0, 0), "dropout RNG plumbing in the train step"),
 )
 
-BYTE_VOCAB = 256  # text sources are byte-level: tokens 0..255
 GRAD_COMM_GROWTH_INTERVAL = 1000  # FP8-LM: clean steps before the comm pre-scale doubles
 
 
@@ -303,19 +303,32 @@ class ModelSection(_mirror(
 
 @dataclasses.dataclass(frozen=True)
 class DataSection(_Section):
-  """Token source: "stdlib" (this Python's standard library source), a path or glob of text
-  files (byte-level tokens), or a path to a pre-tokenized uint16 ``.bin`` file."""
+  """Token source: "stdlib" (this Python's standard library source) or a path or glob of text
+  files, as bytes or encoded by `tokenizer` (once, cached under `cache_dir`), or a path to a
+  pre-tokenized ``.bin`` token file (see ``fp8jax.data``)."""
   _path = "data"
   source: str = _field("stdlib", _NONEMPTY)
+  tokenizer: str | None = _field(None, _NONEMPTY)
+  cache_dir: str | None = _field(None, _NONEMPTY)
   seq_len: int = _field(128, _ge(1))
   val_fraction: float = _field(0.05, _between(0, 1, lo_open=True, hi_open=True))
   max_bytes: int = _field(32 * 2**20, _ge(1))
   seed: int = _field(0, _ge(0))
 
   @property
-  def is_text(self) -> bool:
-    """True when tokens are bytes of text (not a pre-tokenized .bin)."""
-    return not self.source.endswith(".bin")
+  def is_bin(self) -> bool:
+    """True when the source is a pre-tokenized ``.bin`` token file."""
+    return self.source.endswith(".bin")
+
+  @property
+  def byte_level(self) -> bool:
+    """True when tokens are bytes of text (a text source without a tokenizer)."""
+    return not self.is_bin and self.tokenizer is None
+
+  def _check(self):
+    if self.is_bin and self.tokenizer is not None:
+      _fail(f"data.tokenizer={self.tokenizer!r} is not allowed with data.source={self.source!r}: "
+            "a .bin holds token ids already; use data.tokenizer: null")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -564,7 +577,7 @@ class Config(_Section):
     if self.data.seq_len > self.model.max_seq_len:
       _fail(f"data.seq_len={self.data.seq_len} is larger than "
             f"model.max_seq_len={self.model.max_seq_len}; use seq_len <= max_seq_len")
-    if self.data.is_text and self.model.vocab_size < BYTE_VOCAB:
+    if self.data.byte_level and self.model.vocab_size < BYTE_VOCAB:
       _fail(f"model.vocab_size={self.model.vocab_size} is too small for byte-level text "
             f"(data.source={self.data.source!r}); use vocab_size >= {BYTE_VOCAB}")
 

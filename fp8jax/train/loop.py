@@ -51,7 +51,8 @@ class Trainer:
     model, self.schedule, self.tx = build.model_and_optimizer(config)
     self.data = data_lib.load_data(None if d.source == "stdlib" else d.source,
                                    val_fraction=d.val_fraction, max_bytes=d.max_bytes,
-                                   vocab_size=config.model.vocab_size)
+                                   vocab_size=config.model.vocab_size, tokenizer=d.tokenizer,
+                                   cache_dir=d.cache_dir, progress=None if progress else False)
     self.train_batches = self.data.batches("train", t.microbatch_size, d.seq_len, seed=d.seed)
     self.capability = capability.agree(config.parallel.fp8_capability)
     self.calibration = Calibration(model, build.calibration_on(config))
