@@ -77,6 +77,7 @@ class Trainer:
     self.watchdog = guards.DivergenceWatchdog(
         r.divergence_check_every if self.level.fp8_gemms else 0, r.divergence_threshold)
     self.fallback_reason: str | None = None
+    self._unread: list[tuple[int, dict]] = []  # (step, metrics) the host has not read yet
     self._bf16_eval: dict[int, Any] = {}
     self.writer: metrics_lib.MetricWriter | metrics_lib.NullWriter = metrics_lib.NullWriter()
 
@@ -102,6 +103,9 @@ class Trainer:
       return {"resumed_from": start}
     self.writer = metrics_lib.MetricWriter(self.run_dir) if primary else metrics_lib.NullWriter()
     self._print_start(start, primary)
+    if self._health is not None and t.fp8_health_every:  # compiled before any timed window
+      d = self.config.data
+      self._health(self.state.variables(), np.zeros((t.microbatch_size, d.seq_len + 1), np.int32))
     final: dict[str, Any] = {}
     window = _Window()
     with ProgressBar(t.steps, self.progress) as bar, guards.Preemption() as preemption, \
@@ -111,11 +115,17 @@ class Trainer:
         batch = self.next_batch(step)
         bf16_loss = self._bf16_loss(self.state, batch) if self.watchdog.due(step) else None
         self.state, m = self.step_fn(cfg.microbatches_at(step))(self.state, batch)
-        self._after_step(step, m, bf16_loss)
         heartbeat.beat()
         window.add(m, batch)
+        self._unread.append((step, m))
         last = step + 1 == t.steps
         logs = (step + 1) % t.log_every == 0 or last
+        save = self.checkpoints is not None and (
+            self.checkpoints.should_save(step + 1) or last or preemption.requested)
+        # The host reads the device only here (log, checkpoint and watchdog steps): the other
+        # steps are dispatched while earlier ones still run.
+        if logs or save or bf16_loss is not None:
+          self._read_guards(step, bf16_loss)
         if t.batch_ramp is not None and not logs:  # the ramp's batch of every step
           self.writer.write(step + 1, {"batch_tokens": window.last_tokens,
                                        "tokens_seen": cfg.tokens_seen(step + 1)})
@@ -131,8 +141,7 @@ class Trainer:
           self.writer.write(step + 1, {"val_loss": final["val_loss"]})
           window.restart()  # evaluation is not training time
         bar.advance(1)
-        if self.checkpoints is not None and (
-            self.checkpoints.should_save(step + 1) or last or preemption.requested):
+        if save:
           self.save(step + 1)
           heartbeat.beat()
         if preemption.requested:
@@ -200,7 +209,8 @@ class Trainer:
            "batch_tokens": window.last_tokens, "tokens_seen": self.config.tokens_seen(step + 1),
            "lr": float(self.schedule(step)), "tokens_per_s": tokens_per_s,
            "mfu": metrics_lib.mfu(self.flops_per_token, tokens_per_s, self.fp8_peak),
-           **metrics_lib.memory_in_use(), **metrics_lib.comm_scaling(window.comm)}
+           **metrics_lib.memory_in_use(), **metrics_lib.comm_scaling(
+               [(p, s) for p, s, skipped in window.comm if not bool(skipped)])}  # a skip keeps it
     if self.state.fp8:
       out.update(metrics_lib.fp8_health(self.state.fp8, self.level.recipe))
     self.writer.write(step + 1, out)
@@ -306,25 +316,29 @@ class Trainer:
         else " (checkpointing is off)"))
     return step
 
-  def _after_step(self, step: int, metrics: dict, bf16_loss) -> None:
-    """Skip accounting (reload after K in a row) and the divergence check of step `step`."""
-    skipped = bool(metrics["skipped"])
-    if skipped:
-      logger.warning("step %d skipped: non-finite loss or gradients (%d skipped so far)",
-                     step, self.skips.total + 1)
-    reload = self.skips.update(skipped)
-    if skipped:
-      self.writer.write(step + 1, {"skipped_steps": self.skips.total})
-    if reload:
-      self._reload_after_skips(step)
-    if bf16_loss is not None and not skipped:
+  def _read_guards(self, step: int, bf16_loss=None) -> None:
+    """Reads the steps run since the last read, up to `step`: skip accounting (a reload after
+    K in a row) and, with `bf16_loss` (a watchdog step), the divergence check of `step`."""
+    skipped, metrics = False, None
+    for done, metrics in self._unread:
+      skipped = bool(metrics["skipped"])
+      if skipped:
+        logger.warning("step %d skipped: non-finite loss or gradients (%d skipped so far)",
+                       done, self.skips.total + 1)
+      reload = self.skips.update(skipped)
+      if skipped:
+        self.writer.write(done + 1, {"skipped_steps": self.skips.total})
+      if reload:
+        self._reload_after_skips(step)
+    self._unread = []
+    if bf16_loss is not None and metrics is not None and not skipped:
       reason = self.watchdog.check(step, float(metrics["loss"]), float(bf16_loss))
       if reason is not None:
         self.fall_back_to_bf16(reason)
 
   def _reload_after_skips(self, step: int) -> None:
-    """Reloads model, FP8 and optimizer state from the newest checkpoint; the data position
-    stays where it is (the bad batches are not replayed)."""
+    """Reloads model, FP8 and optimizer state from the newest checkpoint to continue after
+    step `step`; the data position stays where it is (the bad batches are not replayed)."""
     limit = self.config.runtime.max_consecutive_skips
     restored = self.checkpoints.restore(self.state) if self.checkpoints is not None else None
     if restored is None:
@@ -388,8 +402,9 @@ class _Window:
 
   def add(self, metrics: dict, batch) -> None:
     self.losses.append(metrics["loss"])
-    if "comm_pre_scale_min" in metrics and not bool(metrics["skipped"]):  # a skip keeps it
-      self.comm.append((metrics["comm_pre_scale_min"], metrics["comm_saturated_max"]))
+    if "comm_pre_scale_min" in metrics:  # read at the log step
+      self.comm.append((metrics["comm_pre_scale_min"], metrics["comm_saturated_max"],
+                        metrics["skipped"]))
     self.last_tokens = batch.shape[0] * (batch.shape[1] - 1)
     self.tokens += self.last_tokens
 
