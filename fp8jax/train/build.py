@@ -22,7 +22,7 @@ def model_and_optimizer(config):
   """(GPT at the config's level, learning-rate schedule, optax optimizer with clipping)."""
   level, t = config.level(), config.train
   model = GPT(config.model.model_config(), level.recipe)
-  schedule = lr_schedule(t.learning_rate, t.warmup_steps, t.steps, t.min_lr_ratio)
+  schedule = lr_schedule(t.learning_rate, t.warmup_in_run, t.steps, t.min_lr_ratio)
   tx = make_optimizer(schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
                       clip_norm=t.gradient_clipping, level=level)
   return model, schedule, tx
