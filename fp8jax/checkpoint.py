@@ -14,7 +14,7 @@ first waits for the previous one. orbax writes into a temporary directory
 (``<step>.orbax-checkpoint-tmp-*``) and renames it when complete: a save torn by a crash is
 never listed, so never restored, and a new manager removes such folders (with a warning).
 So a process killed while a save is in flight resumes from the save before it: with saves
-every N steps, at most 2N - 1 steps are lost (N - 1 with synchronous saves). A checkpoint
+every N steps, at most 2N steps are lost (N with synchronous saves). A checkpoint
 that fails to restore (a truncated or corrupted file) is reported, moved aside to
 ``damaged-<step>`` and the previous one is used.
 
