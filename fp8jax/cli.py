@@ -248,7 +248,7 @@ def cmd_simulate(args) -> int:
   from fp8jax.hardware import gpu_spec
   from fp8jax.parallel import cost_model as cm
   from fp8jax.recipe import opt_level
-  config = load_config(args.config)
+  config = load_config(_config_path(args.config))
   cluster = cm.parse_cluster(args.cluster, args.gpus_per_node, args.inter_node_gbps * 1e9 / 8)
   batch = args.batch or config.train.batch_size
   seq_len = args.seq_len or config.data.seq_len
