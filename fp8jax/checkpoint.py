@@ -9,10 +9,14 @@ A checkpoint is one orbax step directory ``<dir>/<step>/`` with two items:
   else the caller passes.
 
 Saves are asynchronous (the device-to-host copy happens in :meth:`CheckpointManager.save`,
-the write in the background), so the train step may donate the state right after. orbax
-writes into a temporary directory and renames it when complete: a save torn by a crash is
-never listed, so never restored. A checkpoint that fails to restore (a truncated or corrupted
-file) is reported, moved aside to ``damaged-<step>`` and the previous one is used.
+the write in the background), so the train step may donate the state right after; a new save
+first waits for the previous one. orbax writes into a temporary directory
+(``<step>.orbax-checkpoint-tmp-*``) and renames it when complete: a save torn by a crash is
+never listed, so never restored, and a new manager removes such folders (with a warning).
+So a process killed while a save is in flight resumes from the save before it: with saves
+every N steps, at most 2N steps are lost (N with synchronous saves). A checkpoint
+that fails to restore (a truncated or corrupted file) is reported, moved aside to
+``damaged-<step>`` and the previous one is used.
 
 Restore takes target shardings (a pytree of ``jax.sharding.Sharding`` shaped like the
 state; default: the given state's own), so a checkpoint saved on 8 devices under one
@@ -29,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import shutil
 import time
 from typing import Any, NamedTuple
 
@@ -38,6 +43,7 @@ import orbax.checkpoint as ocp
 logger = logging.getLogger("fp8jax")
 
 DAMAGED_PREFIX = "damaged-"
+TORN_MARK = ".orbax-checkpoint-tmp"  # orbax's suffix of a save still being written
 
 
 class Restored(NamedTuple):
@@ -125,9 +131,26 @@ class CheckpointManager:
     _check_int("keep_every", keep_every, 1, allow_none=True)
     self.directory = os.path.abspath(os.fspath(directory))
     self.save_every = save_every
+    self.torn = self._remove_torn_saves()
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=keep_every,
                                            enable_async_checkpointing=async_save, create=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def _remove_torn_saves(self) -> list[str]:
+    """Removes the folders of saves that never finished (a process stopped while orbax wrote
+    them; the first process removes them) and returns their names, oldest step first."""
+    if not os.path.isdir(self.directory):
+      return []
+    torn = sorted((n for n in os.listdir(self.directory) if TORN_MARK in n),
+                  key=lambda n: (len(n.split(".")[0]), n))
+    if torn:
+      logger.warning("checkpoint saves %s in %s did not finish (the process stopped while "
+                     "writing them); removed: the newest complete checkpoint is used",
+                     ", ".join(torn), self.directory)
+      if jax.process_index() == 0:
+        for name in torn:
+          shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+    return torn
 
   def should_save(self, step: int) -> bool:
     """True when `step` (steps taken) is a periodic save point."""
@@ -229,6 +252,10 @@ class CheckpointManager:
       return None
     tree = getattr(md, "item_metadata", md)
     return getattr(tree, "tree", tree)
+
+  def reload(self) -> None:
+    """Re-reads the step folders on disk (after another writer changed them)."""
+    self._manager.reload()
 
   def _set_aside(self, step: int) -> None:
     """Renames a damaged step directory so it is neither restored again nor overwritten."""

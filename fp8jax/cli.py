@@ -9,14 +9,64 @@ on this device kind (``fp8jax.train.profile``), written as a throughput profile
 natively or emulated (and why), and compares one Dense layer's forward+backward in FP8
 against BF16: relative error of output, input gradient and weight gradient vs a float64
 reference, and time per step.
+
+Errors: bad input (a missing file, a config value, a data problem: an ``OSError``, or a
+``ValueError`` that fp8jax raises about its input) prints one line ``fp8jax: error: ...`` on
+stderr and exits 2; a failed run that fp8jax diagnoses (a ``RuntimeError`` it raises) exits 1
+the same way; anything else is a bug and shows its traceback. ``--debug`` shows the traceback
+of every error. Ctrl-C before training starts exits 130 without a traceback (during training:
+``fp8jax.train.guards.Preemption``).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import textwrap
 import time
+import traceback
 
 import numpy as np
+
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+BASE_CONFIG = os.path.join(os.path.dirname(PACKAGE_DIR), "configs", "base.yaml")
+USAGE_EXIT, FAILURE_EXIT, INTERRUPT_EXIT = 2, 1, 130
+
+
+class UsageError(Exception):
+  """Bad command-line input: printed as one ``fp8jax: error:`` line, exit 2."""
+
+
+def _raised_by_fp8jax(error: BaseException) -> bool:
+  """True when the innermost frame of `error`'s traceback is fp8jax code (a deliberate raise
+  about its input, not an error deep inside a dependency)."""
+  frames = traceback.extract_tb(error.__traceback__)
+  return bool(frames) and os.path.abspath(frames[-1].filename).startswith(PACKAGE_DIR + os.sep)
+
+
+def error_exit_code(error: BaseException) -> int | None:
+  """The exit code of an error that is reported in one line (None: a bug, show the traceback).
+
+  2: `UsageError`, any ``OSError`` (a missing or unreadable file, a full disk), and a
+  ``ValueError`` raised by fp8jax itself (config, data, checkpoint and mesh checks). 1: a
+  ``RuntimeError`` raised by fp8jax itself (a run that cannot go on, with the reason).
+  """
+  if isinstance(error, (UsageError, OSError)):
+    return USAGE_EXIT
+  if isinstance(error, ValueError) and _raised_by_fp8jax(error):
+    return USAGE_EXIT
+  if isinstance(error, RuntimeError) and _raised_by_fp8jax(error):
+    return FAILURE_EXIT
+  return None
+
+
+def error_line(error: BaseException) -> str:
+  """The one-line report of `error`: ``fp8jax: error: <message>``."""
+  if isinstance(error, OSError) and error.filename is not None and error.strerror:
+    message = f"{error.filename}: {error.strerror}"
+  else:
+    message = " ".join(str(error).split()) or type(error).__name__
+  return f"fp8jax: error: {message}"
 
 
 def _devices_report() -> list[str]:
@@ -109,14 +159,26 @@ def cmd_check(args) -> int:
   return 0
 
 
+def _config_path(path: str | None) -> str | None:
+  """`path` when it names a file; UsageError naming the shipped configs otherwise."""
+  if path is None or os.path.isfile(path):
+    return path
+  shipped = os.path.dirname(BASE_CONFIG)
+  names = sorted(n for n in os.listdir(shipped) if n.endswith(".yaml")) \
+      if os.path.isdir(shipped) else []
+  hint = f"; shipped configs in {shipped}: {', '.join(names)}" if names else ""
+  what = "is a directory" if os.path.isdir(path) else "no such file"
+  raise UsageError(f"--config {path}: {what}{hint}")
+
+
 def cmd_train(args) -> int:
   from fp8jax import parallel
   from fp8jax.config import load_config
   from fp8jax.train.loop import Trainer
+  config = load_config(_config_path(args.config), args.set)
   parallel.initialize()  # joins `fp8jax launch`'s or a cluster's process group; else no-op
-  config = load_config(args.config, args.set)
-  Trainer(config, progress=not args.no_progress).run()
-  return 0
+  final = Trainer(config, progress=not args.no_progress, overwrite=args.overwrite).run()
+  return INTERRUPT_EXIT if final.get("stopped_by") == "SIGINT" else 0
 
 
 def cmd_profile(args) -> int:
@@ -128,7 +190,7 @@ def cmd_profile(args) -> int:
     print("fp8jax profile measures the local devices of one process; run it without "
           "fp8jax launch", file=sys.stderr)
     return 2
-  config = load_config(args.config, args.set)
+  config = load_config(_config_path(args.config), args.set)
   sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else \
       [2**i for i in range(8) if 2**i <= config.train.microbatch_size * 4]
   limit = None if args.memory_limit_gib is None else int(args.memory_limit_gib * 2**30)
@@ -157,7 +219,7 @@ def _stages(text: str) -> list[int]:
   try:
     return [int(z) for z in text.split(",") if z.strip()]
   except ValueError:
-    raise SystemExit(f"--zero {text!r} is not a comma-separated list of stages 0..3") from None
+    raise UsageError(f"--zero {text!r} is not a comma-separated list of stages 0..3") from None
 
 
 def model_shape(model_config):
@@ -186,7 +248,7 @@ def cmd_simulate(args) -> int:
   from fp8jax.hardware import gpu_spec
   from fp8jax.parallel import cost_model as cm
   from fp8jax.recipe import opt_level
-  config = load_config(args.config)
+  config = load_config(_config_path(args.config))
   cluster = cm.parse_cluster(args.cluster, args.gpus_per_node, args.inter_node_gbps * 1e9 / 8)
   batch = args.batch or config.train.batch_size
   seq_len = args.seq_len or config.data.seq_len
@@ -194,10 +256,10 @@ def cmd_simulate(args) -> int:
   for item in args.profile:
     kind, sep, path = item.partition("=")
     if not sep or not path:
-      raise SystemExit(f"--profile {item!r} is not KIND=PATH; e.g. H100-SXM=h100.json")
+      raise UsageError(f"--profile {item!r} is not KIND=PATH; e.g. H100-SXM=h100.json")
     data, prof = cm.read_profile(path), cm.load_profile(path)
     if gpu_spec(kind).name != prof.kind:
-      raise SystemExit(f"--profile {item!r}: the file measured {data['device_kind']!r} "
+      raise UsageError(f"--profile {item!r}: the file measured {data['device_kind']!r} "
                        f"({prof.kind}), not {gpu_spec(kind).name}")
     profiles.setdefault((data["level"].upper(), data["seq_len"]), {})[prof.kind] = prof
     print(f"profile {path}: {prof.kind} at {data['level']}, T={data['seq_len']} (used for "
@@ -208,12 +270,42 @@ def cmd_simulate(args) -> int:
     for stage in sorted({opt_level(level).zero_stage_for(z) for z in _stages(args.zero)}):
       runs.append(cm.predict(cluster, model, seq_len, batch, level, stage,
                              profiles=profiles.get((level, seq_len))))
+  uneven = cm.uniform_reason(batch, cluster.gpus)
+  if uneven:
+    print(f"fp8jax simulate: warning: {uneven}: no uniform split to compare with; use --batch "
+          f"{cluster.gpus} or a multiple of it", file=sys.stderr)
   print(cm.format_table(runs))
   return 0
 
 
+DESCRIPTION = ("FP8 training of LLMs with JAX and Flax (MS-AMP levels O0-O3). Bad input ends "
+               "in one line 'fp8jax: error: ...' and exit code 2; --debug shows the traceback.")
+
+
+_TRAIN_DESCRIPTION = "\n\n".join([
+    textwrap.fill("Trains the reference decoder LM as a YAML config says; a config file names "
+                  "only the keys it changes. Every config key is listed with its default value "
+                  "and what it does in the documented base config:"),
+    "  " + (BASE_CONFIG if os.path.isfile(BASE_CONFIG) else
+            "configs/base.yaml of the fp8jax source tree"),
+    textwrap.fill("Without a terminal (or with --no-progress) one line per log window shows "
+                  "step, loss, tokens/s and time left. A run folder that holds an earlier run "
+                  "is refused unless the run resumes it (checkpoint.auto_resume) or "
+                  "--overwrite replaces it. Ctrl-C stops after the current step (saving a "
+                  "checkpoint when checkpointing is on) and exits 130; a second Ctrl-C "
+                  "aborts."),
+])
+
+
+def _add_debug(parser: argparse.ArgumentParser, top: bool) -> None:
+  # accepted before or after the command; a subcommand's default must not hide the top one's
+  parser.add_argument("--debug", action="store_true", default=False if top else
+                      argparse.SUPPRESS, help="show the traceback of any error")
+
+
 def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="fp8jax", description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(prog="fp8jax", description=DESCRIPTION)
+  _add_debug(parser, top=True)
   sub = parser.add_subparsers(dest="command", required=True)
   check = sub.add_parser("check", help="devices, FP8 support, FP8 vs BF16 layer comparison")
   check.add_argument("--shape", type=int, nargs=3, metavar=("M", "K", "N"),
@@ -222,9 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
   check.set_defaults(func=cmd_check)
   train = sub.add_parser(
       "train", help="train the reference decoder LM from a YAML config",
-      description="Trains the reference decoder LM as a YAML config says. Every config key is "
-                  "listed in configs/base.yaml with its default value and what it does; a "
-                  "config file names only the keys it changes.")
+      formatter_class=argparse.RawDescriptionHelpFormatter, description=_TRAIN_DESCRIPTION)
   train.add_argument("--config", default=None,
                      help="YAML config, e.g. configs/tiny.yaml (default: the built-in defaults, "
                           "as listed in configs/base.yaml: a 4x128 decoder on the stdlib "
@@ -232,7 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
   train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                      help="override one config value, parsed as YAML (repeatable; keys: "
                           "configs/base.yaml)")
-  train.add_argument("--no-progress", action="store_true", help="no progress bar")
+  train.add_argument("--no-progress", action="store_true",
+                     help="log lines instead of a progress bar (the default without a terminal)")
+  train.add_argument("--overwrite", action="store_true",
+                     help="replace an earlier run in the run folder (its logs and checkpoints) "
+                          "instead of refusing to mix with it")
   train.set_defaults(func=cmd_train)
   prof = sub.add_parser("profile", help="measure seconds per microbatch vs microbatch size on "
                         "this device kind (a throughput profile for parallel.device_map)")
@@ -267,7 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "vs throughput-balanced microbatches (fp8jax.parallel.cost_model)")
   sim.add_argument("--cluster", required=True, help="e.g. 8xA100-80GB+8xH100-SXM")
   sim.add_argument("--config", required=True, help="YAML config, e.g. configs/gpt_7b.yaml")
-  sim.add_argument("--levels", default="O0,O2,O3", help="comma-separated (default O0,O2,O3)")
+  sim.add_argument("--levels", default="O0,O1,O2,O3",
+                   help="comma-separated (default O0,O1,O2,O3)")
   sim.add_argument("--zero", default="1,3", help="ZeRO stages, comma-separated (default 1,3)")
   sim.add_argument("--batch", type=int, default=None,
                    help="global batch in sequences (default: the config's train.batch_size)")
@@ -279,12 +374,27 @@ def build_parser() -> argparse.ArgumentParser:
   sim.add_argument("--profile", action="append", default=[], metavar="KIND=PATH",
                    help="measured profile JSON (`fp8jax profile`) for one kind (repeatable)")
   sim.set_defaults(func=cmd_simulate)
+  for command in (check, train, prof, launch, plot, sim):
+    _add_debug(command, top=False)
   return parser
 
 
 def main(argv=None) -> int:
+  """Runs one command; returns its exit code (see the module docstring for errors)."""
   args = build_parser().parse_args(argv)
-  return args.func(args)
+  try:
+    return args.func(args)
+  except KeyboardInterrupt:
+    if args.debug:
+      raise
+    print("fp8jax: interrupted", file=sys.stderr)
+    return INTERRUPT_EXIT
+  except Exception as e:  # noqa: BLE001 (bugs are re-raised with their traceback)
+    code = error_exit_code(e)
+    if code is None or args.debug:
+      raise
+    print(error_line(e), file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

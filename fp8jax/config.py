@@ -416,9 +416,6 @@ class TrainSection(_Section):
       divisors = [d for d in range(1, self.batch_size + 1) if self.batch_size % d == 0]
       _fail(f"train.microbatches={self.microbatches} does not divide "
             f"train.batch_size={self.batch_size}; use one of {divisors[:16]}")
-    if self.warmup_steps > self.steps:
-      _fail(f"train.warmup_steps={self.warmup_steps} is larger than train.steps={self.steps}; "
-            f"use warmup_steps <= steps")
 
   @property
   def level(self) -> OptLevel:
@@ -430,6 +427,12 @@ class TrainSection(_Section):
   def microbatch_size(self) -> int:
     """Sequences per microbatch (fixed for the whole run, ramp or not)."""
     return self.batch_size // self.microbatches
+
+  @property
+  def warmup_in_run(self) -> int:
+    """Warmup steps the schedule runs: `warmup_steps`, at most ``steps - 1`` (a warmup longer
+    than the run is clamped to it, see :meth:`Config.notices`)."""
+    return min(self.warmup_steps, self.steps - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -701,6 +704,16 @@ class Config(_Section):
     past = max(step - steps, 0) * self.train.microbatches
     return (int(np.sum(counts[:min(max(step, 0), steps)])) + past) * full
 
+  def notices(self) -> list[str]:
+    """One line per value the run adjusts instead of refusing (for the start-of-run log):
+    a train.warmup_steps longer than the run is clamped to it."""
+    t = self.train
+    out = []
+    if t.warmup_steps > t.steps:
+      out.append(f"train.warmup_steps={t.warmup_steps} is longer than the run "
+                 f"(train.steps={t.steps}); warmup clamped to {t.warmup_in_run} steps")
+    return out
+
   def level(self) -> OptLevel:
     """The ``fp8jax`` opt level of train.opt_level, its recipe taken from the fp8 section."""
     lvl = self.train.level
@@ -758,22 +771,48 @@ def _parse_yaml(text: str, where: str) -> Any:
     raise ValueError(f"{where}: not valid YAML: {e}") from None
 
 
+OVERRIDE_FLAG = "--set"  # what messages call an override (the command line's flag)
+
+
+def _override_key(item: str) -> list[str]:
+  """The key path of override ``section.key=value`` as its parts."""
+  return item.partition("=")[0].strip().split(".")
+
+
 def _apply_override(data: dict, item: str) -> None:
   """Sets ``section.key[.key...]=value`` in `data`; the value is parsed as YAML."""
-  key, sep, text = item.partition("=")
-  parts = key.strip().split(".")
+  _, sep, text = item.partition("=")
+  parts = _override_key(item)
   if not sep or len(parts) < 2 or not all(parts):
-    raise ValueError(f"override {item!r} is not allowed; use section.key=value, "
+    raise ValueError(f"{OVERRIDE_FLAG} {item!r} is not allowed; use section.key=value, "
                      f"e.g. train.steps=100")
   node = data
   for i, part in enumerate(parts[:-1]):
     if node.get(part) is None:
       node[part] = {}
     if not isinstance(node[part], dict):
-      raise ValueError(f"override {item!r}: {'.'.join(parts[:i + 1])}={_short(node[part])} "
-                       f"is not a mapping")
+      raise ValueError(f"{OVERRIDE_FLAG} {item}: {'.'.join(parts[:i + 1])}="
+                       f"{_short(node[part])} is not a mapping")
     node = node[part]
-  node[parts[-1]] = _parse_yaml(text, f"override {item!r}")
+  node[parts[-1]] = _parse_yaml(text, f"{OVERRIDE_FLAG} {item}")
+
+
+def _blame(message: str, path, overrides: list[str]) -> str:
+  """`message` (a validation error) prefixed with what gave the bad value: the override
+  that set its key (or a section above it, or a key below it), else the file at `path` (with
+  the overrides the message names, when it is about several keys)."""
+  for item in reversed(overrides):  # the last override of a key is the one in effect
+    parts = _override_key(item)
+    for n in range(len(parts), 0, -1):
+      key = ".".join(parts[:n])
+      if message.startswith(f"{key}=") or (n == len(parts) and message.startswith(f"{key}.")):
+        return f"{OVERRIDE_FLAG} {item}: {message}"
+  named = [item for item in overrides if f"{'.'.join(_override_key(item))}=" in message]
+  where = os.fspath(path) if path is not None else ""
+  if named:
+    flags = ", ".join(f"{OVERRIDE_FLAG} {item}" for item in named)
+    where = f"{where} with {flags}" if where else flags
+  return f"{where}: {message}" if where else message
 
 
 # ----------------------------------------------------------------------------- public API
@@ -790,8 +829,12 @@ def config_to_dict(cfg: Config) -> dict:
 
 def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> Config:
   """Reads the YAML file `path` (None: all defaults), applies `overrides` ("section.key=value",
-  the value parsed as YAML) and validates. runtime.name defaults to the file's stem."""
+  the value parsed as YAML) and validates. runtime.name defaults to the file's stem.
+
+  A ValueError names who gave the bad value: ``--set <override>: ...`` when an override set
+  the key, else ``<path>: ...`` (plus the overrides it names, for a combination of keys)."""
   data = _read(path) if path is not None else {}
+  overrides = list(overrides)
   for item in overrides:
     _apply_override(data, item)
   if path is not None:
@@ -799,9 +842,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: Iterable[str] 
   try:
     return config_from_dict(data)
   except ValueError as e:
-    if path is None:
-      raise
-    raise ValueError(f"{os.fspath(path)}: {e}") from None
+    raise ValueError(_blame(str(e), path, overrides)) from None
 
 
 def _default_name(data: dict, name: str) -> None:

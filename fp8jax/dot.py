@@ -26,8 +26,9 @@ Where FP8 GEMMs cannot run (a device without FP8 tensor cores, or a shape cuBLAS
 the identical quantized math runs with FP8 values upcast exactly (BF16 on GPUs, F32 on CPUs)
 and f32 accumulation ("emulated"). The per-process decision is
 :func:`fp8jax.hardware.native_fp8_reason` (re-exported here): by default from the run's
-devices, or the plan all processes agreed on (:mod:`fp8jax.parallel.capability`); logged
-once.
+devices, or the plan all processes agreed on (:mod:`fp8jax.parallel.capability`). Emulation
+is logged once per reason; a reason that comes from an installed plan is left to whoever
+installed it (the Trainer prints the plan), so a run reports it once.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from fp8jax import scaling
-from fp8jax.hardware import native_fp8_reason
+from fp8jax.hardware import active_plan, native_fp8_reason
 from fp8jax.kernels import cast_transpose as ct
 from fp8jax.recipe import Recipe
 from fp8jax.scaling import Fp8Meta
@@ -388,7 +389,8 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
   x = jnp.transpose(lhs, lperm).reshape((b, m, k) if batched else (m, k))
   w = jnp.transpose(rhs, rperm).reshape((b, k, n) if batched else (k, n))
   reason = native_fp8_reason() or _gemm_reason(m, k, n, out_dtype)
-  if reason:
+  if reason and not (active_plan() is not None and reason == native_fp8_reason()):
+    # (an installed plan's reason is reported by whoever installed it: the Trainer prints it)
     log_once(f"fp8jax: FP8 GEMMs emulated (same quantized math in f32): {reason}")
   x, w = _agree_on_vma(x, w, amax_axes)
   meta_vma = frozenset().union(*(_vma(a) for a in jax.tree.leaves(meta)))

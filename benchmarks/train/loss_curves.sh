@@ -9,7 +9,7 @@ NGPU=$(nvidia-smi -L | wc -l)
 run() {  # level gpu
   CUDA_VISIBLE_DEVICES=$2 python3 -m fp8jax.cli train --config configs/gpt_125m.yaml \
     --set train.opt_level=$1 --set train.steps=$STEPS --set model.attention_impl=cudnn \
-    --set runtime.run_dir=$OUTDIR/$1 --no-progress > $OUTDIR/$1.log 2>&1
+    --set runtime.run_dir=$OUTDIR/$1 --no-progress --overwrite > $OUTDIR/$1.log 2>&1
 }
 mkdir -p $OUTDIR
 if [ "$NGPU" -ge 2 ]; then run O0 0 & run O2 1 & wait; else run O0 0; run O2 0; fi

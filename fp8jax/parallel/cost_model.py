@@ -1,8 +1,10 @@
 """Step-time model of a data-parallel cluster that mixes GPU kinds, uniform vs balanced split.
 
 Every GPU is one data-parallel group with equal microbatch shapes; the uniform split gives
-each the same number of microbatches, the balanced split (:mod:`fp8jax.parallel.balance`)
-gives faster kinds more. A step is modelled as
+each the same number of microbatches (a batch that does not split equally over the GPUs has no
+uniform split: it is infeasible, whatever the order of the cluster's groups), the balanced
+split (:mod:`fp8jax.parallel.balance`) gives faster kinds more, and may leave slow GPUs idle
+(they still hold their ZeRO shards and take part in the collectives). A step is modelled as
 
   step = compute makespan + (1 - overlap) x communication + optimizer update
 
@@ -418,6 +420,7 @@ class Split(NamedTuple):
   step_s: float | None
   tokens_per_s: float | None
   mfu: float | None                  # model FLOPs / sum of BF16 peaks
+  idle: tuple[str, ...] = ()         # kinds none of whose GPUs gets a microbatch
 
 
 class Prediction(NamedTuple):
@@ -476,10 +479,13 @@ def _evaluate(ctx: dict, m: int, balanced: bool) -> Split:
                        memory, m)
   per_gpu = [seconds[k] for k in kinds]
   total = ctx["batch"] // m
-  if balanced:
-    counts = balance_counts(per_gpu, total)
-  else:
-    counts = uniform_counts(len(kinds), total) or balance_counts([1.0] * len(kinds), total)
+  counts = balance_counts(per_gpu, total) if balanced else uniform_counts(len(kinds), total)
+  if counts is None:
+    return _infeasible(uniform_reason(ctx["batch"], cluster.gpus, m), seconds, memory, m)
+  busy = {k for k, c in zip(kinds, counts) if c > 0}
+  idle = tuple(k for k in ctx["kinds"] if k not in busy)
+  for k in idle:  # their ZeRO shards only: no microbatch, no activations
+    memory[k] -= activation_bytes(model, ctx["seq_len"], m)
   compute = makespan(counts, per_gpu)
   payload = comm_bytes(ctx["level"], ctx["stage"], ctx["kernels"], ctx["others"], max(counts),
                        balanced)
@@ -488,7 +494,19 @@ def _evaluate(ctx: dict, m: int, balanced: bool) -> Split:
   tokens = ctx["batch"] * ctx["seq_len"] / step
   mfu = ctx["flops_per_token"] * tokens / sum(gpu_spec(k).bf16_flops for k in kinds)
   return Split(True, "", m, tuple(counts), seconds, memory, compute, comm, ctx["optimizer_s"],
-               step, tokens, mfu)
+               step, tokens, mfu, idle)
+
+
+def uniform_reason(global_batch: int, gpus: int, microbatch: int | None = None) -> str | None:
+  """Why `global_batch` sequences have no uniform split over `gpus` GPUs (in microbatches of
+  `microbatch`, default: any size), or None when they have one."""
+  if global_batch % gpus:
+    return (f"the global batch of {global_batch} sequences does not split equally over "
+            f"{gpus} GPUs (the uniform split needs a multiple of {gpus} sequences)")
+  if microbatch is not None and (global_batch // microbatch) % gpus:
+    return (f"{global_batch // microbatch} microbatches of {microbatch} do not split equally "
+            f"over {gpus} GPUs")
+  return None
 
 
 def optimizer_seconds(level: str, stage: int, params: int, cluster: ClusterSpec,
@@ -537,7 +555,9 @@ def predict(cluster: ClusterSpec, model: ModelShape, seq_len: int, global_batch:
     microbatch: sequences per microbatch, common to all kinds; default: among the powers of
       two that divide the batch and fit every kind, the largest whose step is within
       `assumptions.microbatch_tolerance` of the fastest (chosen for each split).
-  A kind that cannot hold the state gives infeasible splits (with the reason), not an error.
+  A kind that cannot hold the state gives infeasible splits (with the reason), not an error;
+  so does the uniform split of a batch that does not divide by the GPU count
+  (:func:`uniform_reason`). The prediction does not depend on the order of the cluster's groups.
   """
   level = _check_level(level)
   stage = _check_stage(level, zero_stage)
@@ -553,7 +573,9 @@ def predict(cluster: ClusterSpec, model: ModelShape, seq_len: int, global_batch:
              bw=link_bandwidth(cluster), flops_per_token=model.flops_per_token(seq_len),
              optimizer_s=optimizer_seconds(level, stage, kernels + others, cluster, a))
   sizes = _candidates(global_batch, microbatch)
-  uniform, balanced = _best(ctx, sizes, False), _best(ctx, sizes, True)
+  uneven = uniform_reason(global_batch, cluster.gpus)
+  uniform = _infeasible(uneven) if uneven else _best(ctx, sizes, False)
+  balanced = _best(ctx, sizes, True)
   speedup = uniform.step_s / balanced.step_s if uniform.feasible and balanced.feasible else None
   emulated = tuple(k for k in ctx["kinds"] if _level(level).fp8_gemms and not fp8_native(k))
   return Prediction(cluster.describe(), ctx["kind_list"], level, stage, seq_len, global_batch,
@@ -589,7 +611,8 @@ def _counts_by_kind(p: Prediction, split: Split) -> dict:
   for k, c in zip(p.kinds, split.counts):
     lo, hi = out.get(k, (c, c))
     out[k] = (min(lo, c), max(hi, c))
-  return {k: str(lo) if lo == hi else f"{lo}-{hi}" for k, (lo, hi) in out.items()}
+  return {k: (str(lo) if lo == hi else f"{lo}-{hi}") + (" (idle)" if k in split.idle else "")
+          for k, (lo, hi) in out.items()}
 
 
 def _row(p: Prediction, name: str, split: Split) -> str:
@@ -622,4 +645,8 @@ def format_table(predictions: Sequence[Prediction]) -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for p in predictions:
     lines += [_row(p, "uniform", p.uniform), _row(p, "balanced", p.balanced)]
+  if any(s.idle for p in predictions for s in (p.uniform, p.balanced)):
+    lines += ["", "(idle): GPUs of that kind get no microbatch (the others finish sooner); "
+              "they hold their ZeRO shards and take part in the collectives, and their "
+              "GiB/GPU is that state only"]
   return "\n".join(lines)

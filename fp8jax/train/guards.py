@@ -11,8 +11,9 @@
 * :class:`Heartbeat`: a daemon thread; when no :meth:`Heartbeat.beat` arrives for
   ``interval * tolerance`` seconds it logs the stall with every thread's stack and exits the
   process with :data:`STALL_EXIT_CODE` (the launcher then restarts the job).
-* :class:`Preemption`: while active, SIGTERM only sets a flag; the Trainer saves at the
-  current step, waits for the write and exits 0.
+* :class:`Preemption`: while active, SIGTERM and the first SIGINT (Ctrl-C) only set a flag;
+  the Trainer finishes the step, saves, waits for the write and stops (``fp8jax train`` exits
+  0 after SIGTERM, 130 after Ctrl-C). A second Ctrl-C aborts at once.
 """
 from __future__ import annotations
 
@@ -185,16 +186,26 @@ class NoHeartbeat:
 
 
 class Preemption:
-  """While active (a context manager in the main thread), SIGTERM sets :attr:`requested`
-  instead of killing the process; the previous handler comes back on exit."""
+  """While active (a context manager in the main thread), each of `signals` (default SIGTERM
+  and SIGINT) sets :attr:`requested` instead of stopping the process, and the first one's
+  name is :attr:`signal_name` ("SIGTERM", "SIGINT"). A SIGINT after the first request raises
+  ``KeyboardInterrupt`` (Ctrl-C twice aborts). One line on stderr says what happens. The
+  previous handlers come back on exit."""
 
-  def __init__(self, signals=(signal.SIGTERM,)):
+  def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
     self.signals, self.requested, self._old = tuple(signals), False, {}
+    self.signal_name: str | None = None
 
   def _handle(self, signum, frame) -> None:
+    name = signal.Signals(signum).name
+    if self.requested and signum == signal.SIGINT:
+      raise KeyboardInterrupt
     if not self.requested:
-      logger.warning("received signal %d: saving a checkpoint at the current step, then "
-                     "exiting", signum)
+      self.signal_name = name
+      again = "; press Ctrl-C again to abort" if signum == signal.SIGINT else ""
+      # os.write: a handler may run while the main thread is inside a print
+      os.write(2, f"fp8jax: received {name}: stopping after the current step (saving a "
+                  f"checkpoint when checkpointing is on){again}\n".encode())
     self.requested = True
 
   def __enter__(self) -> "Preemption":

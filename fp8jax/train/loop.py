@@ -32,7 +32,8 @@ from fp8jax.train import metrics as metrics_lib
 from fp8jax.train.calibration import Calibration
 from fp8jax.train.health import fp8_cast_health
 from fp8jax.train.progress import ProgressBar
-from fp8jax.train.resume import RunCheckpoints, RunRecords, records_of, saved_fallback
+from fp8jax.train.resume import (RunCheckpoints, RunRecords, claim_run_dir, records_of,
+                                 saved_fallback, stopped_line)
 from fp8jax.train.state import TrainState, state_init_fn
 from fp8jax.train.step import TrainStep, make_eval_step, next_token_loss
 
@@ -41,10 +42,12 @@ logger = logging.getLogger("fp8jax")
 
 class Trainer:
   """Trains the reference decoder as `config` says, over every device of the run (the mesh
-  of ``parallel``, ZeRO stage ``config.zero_stage()``)."""
+  of ``parallel``, ZeRO stage ``config.zero_stage()``). `progress`: a progress bar on a
+  terminal (log lines otherwise, ``fp8jax.train.progress``); `overwrite`: replace an earlier
+  run in the run folder instead of refusing to mix with it (``resume.claim_run_dir``)."""
 
-  def __init__(self, config: Config, progress: bool = True):
-    self.config, self.progress = config, progress
+  def __init__(self, config: Config, progress: bool = True, overwrite: bool = False):
+    self.config, self.progress, self.overwrite = config, progress, overwrite
     t, d = config.train, config.data
     self.level = config.level()
     self.model_config = config.model.model_config()
@@ -92,6 +95,7 @@ class Trainer:
     """Trains for config.train.steps steps; returns the final metrics."""
     cfg, t = self.config, self.config.train
     primary = jax.process_index() == 0  # one process writes logs (all take part in checkpoints)
+    claim_run_dir(cfg, self.run_dir, overwrite=self.overwrite, checkpoints=self.checkpoints)
     os.makedirs(self.run_dir, exist_ok=True)
     if primary:
       save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
@@ -103,9 +107,10 @@ class Trainer:
       return {"resumed_from": start}
     self.writer = metrics_lib.MetricWriter(self.run_dir) if primary else metrics_lib.NullWriter()
     self._print_start(start, primary)
+    self._note_absent_metrics(start, primary)
     if self._health is not None and t.fp8_health_every:  # compiled before any timed window
-      d = self.config.data
-      self._health(self.state.variables(), np.zeros((t.microbatch_size, d.seq_len + 1), np.int32))
+      warm = np.zeros((t.microbatch_size, self.config.data.seq_len + 1), np.int32)
+      self._health(self.state.variables(), warm)
     final: dict[str, Any] = {}
     window = _Window()
     with ProgressBar(t.steps, self.progress) as bar, guards.Preemption() as preemption, \
@@ -145,7 +150,8 @@ class Trainer:
           self.save(step + 1)
           heartbeat.beat()
         if preemption.requested:
-          return {**final, "preempted_at": self._stop_preempted(step + 1)}
+          return {**final, "preempted_at": self._stop_preempted(step + 1, preemption),
+                  "stopped_by": preemption.signal_name}
     if self.checkpoints is not None:
       self.checkpoints.wait()
     self.writer.close()
@@ -193,13 +199,21 @@ class Trainer:
     if jax.process_count() > 1:
       print(f"fp8jax train: process {jax.process_index()} of {jax.process_count()}")
     if primary:
-      for line in self.capability.lines():
+      for line in self.capability.lines() + self.config.notices():
         print(f"fp8jax train: {line}")
       if self.group_seconds is not None:
         print(f"fp8jax train: {self._balance_line(self.config.microbatches_at(start))}")
     print(f"fp8jax train: level {self.level.name}, {n / 1e6:.2f}M params "
           f"({state_bytes:.2f} bytes/param of weights + optimizer state), {t.steps} steps, "
           f"data: {self.data.description}; logs: {os.path.abspath(self.run_dir)}")
+
+  def _note_absent_metrics(self, step: int, primary: bool) -> None:
+    """Says once (stdout, TensorBoard text, events.jsonl) which metrics these devices cannot
+    give and why (``metrics.absent_metrics``)."""
+    absent = metrics_lib.absent_metrics(self.fp8_peak)
+    self.writer.note_absent(step, absent)
+    if primary and absent:
+      print(f"fp8jax train: {metrics_lib.describe_absent(absent)}")
 
   def _log_window(self, step: int, window: "_Window", last_metrics: dict) -> dict:
     """Writes and returns the metrics of the log window ending with step `step`."""
@@ -306,14 +320,13 @@ class Trainer:
     print(f"fp8jax train: resumed from step {restored.step} ({self.checkpoints.directory})")
     return restored.step
 
-  def _stop_preempted(self, step: int) -> int:
-    """Waits for the preemption checkpoint of `step`, closes the logs; returns `step`."""
+  def _stop_preempted(self, step: int, preemption: guards.Preemption) -> int:
+    """Waits for the preemption checkpoint of `step`, closes the logs, says how to resume;
+    returns `step`."""
     if self.checkpoints is not None:
       self.checkpoints.wait()
     self.writer.close()
-    print(f"preempted: stopped after step {step}" + (
-        f", checkpoint saved in {self.checkpoints.directory}" if self.checkpoints is not None
-        else " (checkpointing is off)"))
+    print(stopped_line(step, preemption.signal_name, self.config, self.checkpoints), flush=True)
     return step
 
   def _read_guards(self, step: int, bf16_loss=None) -> None:

@@ -33,6 +33,31 @@ def memory_in_use() -> dict[str, float]:
   return out
 
 
+def absent_metrics(fp8: bool) -> dict[str, str]:
+  """{metric: why this run cannot log it} for the metrics that :func:`mfu` and
+  :func:`memory_in_use` leave out on these devices (e.g. on CPUs: no peak FLOP/s is known and
+  the device reports no memory statistics); empty when every one is logged."""
+  out = {}
+  unknown = sorted({d.device_kind for d in jax.devices()
+                    if peak_flops(d.device_kind, fp8) is None})
+  if unknown:
+    out["mfu"] = f"no peak FLOP/s known for device kind {', '.join(map(repr, unknown))}"
+  device = jax.local_devices()[0]
+  if "bytes_in_use" not in (device.memory_stats() or {}):
+    out["mem_gib"] = out["peak_mem_gib"] = \
+        f"device kind {device.device_kind!r} reports no memory statistics"
+  return out
+
+
+def describe_absent(absent: dict[str, str]) -> str:
+  """One line for :func:`absent_metrics`' result: "not logged: mfu (why); mem_gib, ..."."""
+  by_reason: dict[str, list[str]] = {}
+  for name, why in absent.items():
+    by_reason.setdefault(why, []).append(name)
+  return "not logged: " + "; ".join(f"{', '.join(names)} ({why})"
+                                    for why, names in by_reason.items())
+
+
 def fp8_health(fp8_state, recipe) -> dict[str, float]:
   """Per tensor role over all FP8 GEMMs: newest amax (max), scale (min/max) and headroom.
 
@@ -92,6 +117,19 @@ class MetricWriter:
       for k, v in clean.items():
         self._tb.add_scalar(k, v, int(step))
 
+  def note_absent(self, step: int, absent: dict[str, str]) -> None:
+    """Records once why each metric of `absent` ({name: reason}) is not logged: a TensorBoard
+    text ``absent/<name>`` and an ``events.jsonl`` line ``{"event": "metric_absent"}``."""
+    if not absent:
+      return
+    with open(os.path.join(self.run_dir, "events.jsonl"), "a") as f:
+      for name, reason in absent.items():
+        f.write(json.dumps({"step": int(step), "event": "metric_absent", "metric": name,
+                            "reason": reason}) + "\n")
+    if self._tb is not None:
+      for name, reason in absent.items():
+        self._tb.add_text(f"absent/{name}", reason, int(step))
+
   def close(self) -> None:
     self._jsonl.close()
     if self._tb is not None:
@@ -103,6 +141,9 @@ class NullWriter:
 
   def write(self, step: int, scalars: dict[str, Any]) -> None:
     del step, scalars
+
+  def note_absent(self, step: int, absent: dict[str, str]) -> None:
+    del step, absent
 
   def close(self) -> None:
     pass

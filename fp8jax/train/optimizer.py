@@ -32,12 +32,12 @@ def schedule_for(config):
   warmup_steps full steps' worth of tokens, decay ending with the run's last token)."""
   t, ramp = config.train, config.train.batch_ramp
   if ramp is None or ramp.lr_follows == "steps":
-    return lr_schedule(t.learning_rate, t.warmup_steps, t.steps, t.min_lr_ratio)
+    return lr_schedule(t.learning_rate, t.warmup_in_run, t.steps, t.min_lr_ratio)
   full = t.batch_size * config.data.seq_len
   per_step = [config.batch_size_at(s) * config.data.seq_len for s in range(t.steps)]
   seen = np.concatenate([[0], np.cumsum(per_step)])
   total = max(float(seen[-1]) / full, 1.0)
-  warmup = min(t.warmup_steps, total - 1)
+  warmup = min(t.warmup_in_run, total - 1)
   base = optax.warmup_cosine_decay_schedule(0.0, t.learning_rate, max(warmup, 0), total,
                                             end_value=t.learning_rate * t.min_lr_ratio)
   return on_token_clock(base, seen, full)

@@ -1,18 +1,136 @@
-"""A run's checkpoints: what a checkpoint holds besides the state, resuming, reloading.
+"""A run's folder and checkpoints: what a checkpoint holds besides the state, resuming.
 
 :class:`RunCheckpoints` wraps ``fp8jax.checkpoint.CheckpointManager`` for the Trainer: every
 checkpoint carries the data position, the config and the guards' records (skipped steps, the
-BF16 fallback reason); :meth:`RunCheckpoints.resume` refuses a checkpoint of another model or
-level before restoring; :meth:`RunCheckpoints.reload` brings back the newest state after too
-many non-finite steps.
+BF16 fallback reason); :meth:`RunCheckpoints.newest_meta` refuses a checkpoint of another
+model or level before restoring. :func:`claim_run_dir` keeps a new run from mixing its logs
+and checkpoints with an earlier run's in the same folder.
 """
 from __future__ import annotations
 
+import glob
+import json
 import os
+import shutil
 from typing import NamedTuple
+
+import jax
 
 from fp8jax import checkpoint as checkpoint_lib
 from fp8jax.config import Config, config_to_dict
+
+RUN_FILES = ("metrics.jsonl", "events.jsonl", "config.yaml")  # + TensorBoard event files
+
+
+class RunDirInUse(ValueError):
+  """The run folder holds an earlier run that a new (not resumed) run would mix with."""
+
+
+def checkpoint_dir(config: Config, run_dir: str) -> str:
+  """Where the run's checkpoints go: ``checkpoint.dir``, default `run_dir`/checkpoints."""
+  return config.checkpoint.dir or os.path.join(run_dir, "checkpoints")
+
+
+def _logged_steps(path: str) -> list[int]:
+  steps = []
+  if os.path.exists(path):
+    with open(path) as f:
+      for line in f:
+        try:
+          steps.append(int(json.loads(line)["step"]))
+        except (ValueError, KeyError, TypeError):  # a line cut short by a kill
+          continue
+  return steps
+
+
+def _checkpoint_entries(directory: str) -> list[str]:
+  """Step folders (complete, torn or damaged) in a checkpoint directory."""
+  if not os.path.isdir(directory):
+    return []
+  return [n for n in os.listdir(directory) if n.split(".")[0].isdigit()
+          or n.startswith(checkpoint_lib.DAMAGED_PREFIX)]
+
+
+def earlier_run(config: Config, run_dir: str) -> str | None:
+  """What an earlier run left in `run_dir` that a new run would mix with, in words (logged
+  steps, checkpoints); None when there is nothing."""
+  found = []
+  steps = _logged_steps(os.path.join(run_dir, "metrics.jsonl"))
+  if steps:
+    found.append(f"metrics.jsonl logs steps {min(steps)}-{max(steps)}")
+  saved = sorted(int(n) for n in _checkpoint_entries(checkpoint_dir(config, run_dir))
+                 if n.isdigit())
+  if saved:
+    found.append(f"checkpoints of steps {', '.join(map(str, saved))}")
+  return "; ".join(found) or None
+
+
+def _free_name(config: Config) -> str:
+  """runtime.name with the first suffix -2, -3, ... whose run folder does not exist."""
+  r = config.runtime
+  i = 2
+  while os.path.exists(r.run_dir.format(name=f"{r.name}-{i}")):
+    i += 1
+  return f"{r.name}-{i}"
+
+
+def _remove_run(config: Config, run_dir: str) -> None:
+  """Removes the files and checkpoint step folders an earlier run wrote in `run_dir`."""
+  for name in RUN_FILES:
+    path = os.path.join(run_dir, name)
+    if os.path.exists(path):
+      os.remove(path)
+  for path in glob.glob(os.path.join(glob.escape(run_dir), "events.out.tfevents.*")):
+    os.remove(path)
+  directory = checkpoint_dir(config, run_dir)
+  for name in _checkpoint_entries(directory):
+    shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+def claim_run_dir(config: Config, run_dir: str, *, overwrite: bool = False,
+                  checkpoints: "RunCheckpoints | None" = None) -> None:
+  """Makes `run_dir` ready for a new run of `config` (call before anything is written).
+
+  A resumed run (``checkpoint.auto_resume``) continues the earlier one: nothing changes.
+  Otherwise an earlier run's logged steps or checkpoints (:func:`earlier_run`) raise
+  :class:`RunDirInUse` naming them and the ways out (another name, resuming, overwriting).
+  `overwrite` removes the earlier run instead (its logs, TensorBoard files and checkpoints;
+  on the first process, then every process re-reads `checkpoints`, the run's open manager).
+  """
+  if overwrite:
+    if jax.process_index() == 0:
+      _remove_run(config, run_dir)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices("fp8jax claim_run_dir")
+    if checkpoints is not None:
+      checkpoints.reload()
+    return
+  if config.checkpoint.auto_resume:
+    return
+  found = earlier_run(config, run_dir)
+  if found is None:
+    return
+  rename = (f"--set runtime.name={_free_name(config)}" if "{name}" in config.runtime.run_dir
+            else "--set runtime.run_dir=<another folder>")
+  ways = [f"start another ({rename})", "replace it (--overwrite)"]
+  if "checkpoints" in found:
+    ways.insert(1, "continue it (--set checkpoint.auto_resume=true)")
+  raise RunDirInUse(f"{run_dir} already holds a run ({found}); a new run would mix with it: "
+                    f"{', '.join(ways[:-1])} or {ways[-1]}")
+
+
+def stopped_line(step: int, signal_name: str | None, config: Config,
+                 checkpoints: "RunCheckpoints | None") -> str:
+  """What a run stopped by `signal_name` after `step` steps says: where its checkpoint is and
+  how to resume ("interrupted" for SIGINT, "preempted" otherwise)."""
+  how = "interrupted" if signal_name == "SIGINT" else "preempted"
+  if checkpoints is None:
+    return (f"{how}: stopped after step {step} (checkpointing is off: nothing saved; set "
+            "checkpoint.checkpoint_every_n_steps to keep the work of a stopped run)")
+  again = ("run the same command again to resume" if config.checkpoint.auto_resume else
+           "resume with the same command and --set checkpoint.auto_resume=true")
+  return f"{how}: stopped after step {step}, checkpoint saved in {checkpoints.directory}; {again}"
 
 
 class RunRecords(NamedTuple):
@@ -41,7 +159,7 @@ class RunCheckpoints:
     c = config.checkpoint
     self.config = config
     self.manager = checkpoint_lib.CheckpointManager(
-        c.dir or os.path.join(run_dir, "checkpoints"), save_every=c.checkpoint_every_n_steps,
+        checkpoint_dir(config, run_dir), save_every=c.checkpoint_every_n_steps,
         keep=c.keep, keep_every=c.keep_every, async_save=c.async_save)
 
   @property
@@ -59,6 +177,10 @@ class RunCheckpoints:
 
   def wait(self) -> None:
     self.manager.wait()
+
+  def reload(self) -> None:
+    """Re-reads the checkpoints on disk (after :func:`claim_run_dir` removed some)."""
+    self.manager.reload()
 
   def newest_meta(self) -> dict | None:
     """The newest checkpoint's metadata, after checking it belongs to this run's model and
@@ -91,4 +213,5 @@ def records_of(meta: dict) -> RunRecords:
   return RunRecords(meta["data"], int(meta.get("skipped_steps", 0)), saved_fallback(meta))
 
 
-__all__ = ["RunCheckpoints", "RunRecords", "records_of", "saved_fallback"]
+__all__ = ["RunCheckpoints", "RunDirInUse", "RunRecords", "checkpoint_dir", "claim_run_dir",
+           "earlier_run", "records_of", "saved_fallback", "stopped_line"]

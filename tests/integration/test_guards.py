@@ -77,6 +77,7 @@ def test_trainer_skips_nan_steps_reloads_after_k_and_falls_back_to_bf16(tmp_path
   assert [(r["step"], r["skipped_steps"]) for r in skips] == [(3, 1), (4, 2)]
   assert checks == [0, 2, 4, 6]  # no false alarm at 0 and 4 (real FP8 vs BF16 gap < 1%)
   events = [json.loads(line) for line in open(tmp_path / "run" / "events.jsonl")]
+  events = [e for e in events if e["event"] != "metric_absent"]  # CPU: no MFU, no memory
   assert [e["event"] for e in events] == ["bf16_fallback"] and events[0]["step"] == 7
   assert "relative gap" in events[0]["reason"] and "> 1.000%" in events[0]["reason"]
   assert trainer.model.recipe is None and trainer.state.fp8 == {}

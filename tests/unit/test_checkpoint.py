@@ -82,7 +82,7 @@ def test_o2_state_round_trips_bit_for_bit_in_native_dtypes(tmp_path, key):
     _assert_bitwise_equal(after, saved)
 
 
-def test_torn_save_directory_is_never_restored(tmp_path, key):
+def test_torn_save_directory_is_never_restored_and_is_removed(tmp_path, key, caplog):
   x = {"w": jax.random.normal(key, (64, 8))}
   with CheckpointManager(tmp_path) as mgr:
     mgr.save(5, x)
@@ -90,11 +90,18 @@ def test_torn_save_directory_is_never_restored(tmp_path, key):
   torn = tmp_path / "9.orbax-checkpoint-tmp-1234"  # what a crash mid-write leaves
   (torn / "state").mkdir(parents=True)
   (torn / "state" / "_METADATA").write_text("{")
-  with CheckpointManager(tmp_path) as mgr:
-    assert mgr.steps() == [5]
-    restored = mgr.restore(jax.tree.map(jnp.zeros_like, x))
+  with caplog.at_level(logging.WARNING, logger="fp8jax"):
+    with CheckpointManager(tmp_path) as mgr:
+      assert mgr.steps() == [5] and mgr.torn == [torn.name]
+      assert sorted(os.listdir(tmp_path)) == ["5"]  # the torn folder is gone
+      restored = mgr.restore(jax.tree.map(jnp.zeros_like, x))
+      mgr.save(9, x)  # the step it tore can be saved again
+      mgr.wait()
+      assert mgr.steps() == [5, 9]
   assert restored.step == 5
   _assert_bitwise_equal(restored.state, x)
+  assert any(torn.name in r.getMessage() and "did not finish" in r.getMessage()
+             for r in caplog.records)
 
 
 def _largest_file(folder):
@@ -226,9 +233,10 @@ def test_killed_during_an_asynchronous_save_restores_the_earlier_checkpoint(tmp_
   leftovers = [n for n in os.listdir(tmp_path) if n != "1"]
   assert leftovers and all("tmp" in n for n in leftovers), leftovers  # killed mid-write
   with CheckpointManager(tmp_path) as mgr:
-    assert mgr.steps() == [1]
+    assert mgr.steps() == [1] and sorted(mgr.torn) == sorted(leftovers)
     restored = mgr.restore({"w": jnp.zeros((1024,))})
   assert restored.step == 1 and float(restored.state["w"][0]) == 1.0
+  assert os.listdir(tmp_path) == ["1"]  # the torn save is cleaned up on resume
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -14,6 +14,7 @@ from fp8jax.config import (NOT_BUILT_YET, BatchRamp, Config, Fp8Section, ModelSe
                            config_from_dict, config_to_dict, load_config, save_config)
 from fp8jax.models.gpt import ModelConfig
 from fp8jax.recipe import format_name
+from fp8jax.train import build
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 SHIPPED = sorted(glob.glob(os.path.join(CONFIGS, "*.yaml")))
@@ -255,7 +256,6 @@ def test_out_of_range(item, expected):
     (["model.fuse_gelu_into_fp8_cast=true", "model.mlp=swiglu"],
      "model.fuse_gelu_into_fp8_cast=True needs model.mlp='gelu', got model.mlp='swiglu'"),
     (["data.seq_len=256"], "data.seq_len=256 is larger than model.max_seq_len=128"),
-    (["train.warmup_steps=500"], "train.warmup_steps=500 is larger than train.steps=200"),
     (["model.vocab_size=100"], "model.vocab_size=100 is too small for byte-level text"),
     (["train.batch_ramp={start_tokens: 4096, end_tokens: 2048, ramp_steps: 5}"],
      "train.batch_ramp.start_tokens=4096 is larger than train.batch_ramp.end_tokens=2048"),
@@ -358,3 +358,42 @@ def test_level_rules_follow_the_level(level):
     assert load_config(None, offload).zero_stage() == lvl.zero_stage
   else:
     assert "use zero_stage 1, 2 or 3 (or level O3)" in _error(offload)
+
+
+def test_warmup_longer_than_the_run_is_clamped_with_a_notice():
+  cfg = load_config(TINY, ["train.steps=3"])  # tiny.yaml warms up for 20 steps
+  assert cfg.train.warmup_steps == 20 and cfg.train.warmup_in_run == 2
+  assert cfg.notices() == ["train.warmup_steps=20 is longer than the run (train.steps=3); "
+                           "warmup clamped to 2 steps"]
+  assert load_config(TINY, ["train.steps=20"]).notices() == []
+  assert load_config(TINY, ["train.steps=1"]).train.warmup_in_run == 0
+  schedule = build.model_and_optimizer(cfg)[1]
+  assert [float(schedule(i)) for i in range(3)] == pytest.approx([0.0, 5e-4, 1e-3])
+
+
+@pytest.mark.parametrize("items, head", [
+    # the key an override set, or a section it created
+    (["train.learnig_rate=1e-3"], "--set train.learnig_rate=1e-3: train.learnig_rate=0.001 is "
+     "not a known key; did you mean 'learning_rate'?"),
+    (["trian.steps=3"], "--set trian.steps=3: trian={'steps': 3} is not a known key; did you "
+     "mean 'train'?"),
+    (["train.steps=5", "train.steps=-1"], "--set train.steps=-1: train.steps=-1 is not allowed"),
+    (["train.batch_ramp={start_tokens: 4096, end_tokens: 2048, ramp_steps: 5}"],
+     "--set train.batch_ramp={start_tokens: 4096, end_tokens: 2048, ramp_steps: 5}: "
+     "train.batch_ramp.start_tokens=4096 is larger"),
+    # a combination of the file's value and an override: both named
+    (["model.max_seq_len=64"], "{path} with --set model.max_seq_len=64: data.seq_len=128 is "
+     "larger than model.max_seq_len=64"),
+    (["train.steps=abc", "train.seed=1"], "--set train.steps=abc: train.steps='abc' has type "
+     "str"),
+])
+def test_override_errors_blame_the_override_not_the_file(items, head):
+  assert _error(items, TINY).startswith(head.replace("{path}", TINY))
+  without_file = _error(items)
+  assert without_file.startswith(head.split(": ", 1)[0].replace("{path} with ", "")) and \
+      TINY not in without_file
+
+
+def test_file_errors_still_blame_the_file(tmp_path):
+  path = _write(tmp_path, "train:\n  steps: -1\n")
+  assert _error(["train.seed=1"], path).startswith(f"{path}: train.steps=-1 is not allowed")

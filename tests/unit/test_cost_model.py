@@ -184,11 +184,48 @@ def test_mixed_cluster_balanced_is_faster_and_a100_runs_fp8_emulated():
   assert o0.emulated == ()
 
 
-def test_uneven_batch_gets_nearly_even_uniform_split():
+def test_a_batch_that_does_not_split_equally_has_no_uniform_split():
   p = cm.predict(cm.parse_cluster("2xH100-SXM+1xA100-80GB"), BIG, 2048, 5, "O2", 1,
                  microbatch=1)
-  assert sorted(p.uniform.counts) == [1, 2, 2]
-  assert sum(p.balanced.counts) == 5
+  assert not p.uniform.feasible and p.speedup is None
+  assert p.uniform.reason == ("the global batch of 5 sequences does not split equally over 3 "
+                              "GPUs (the uniform split needs a multiple of 3 sequences)")
+  assert p.balanced.feasible and sum(p.balanced.counts) == 5
+  assert cm.uniform_reason(6, 3) is None and cm.uniform_reason(8, 2, microbatch=4) is None
+  assert cm.uniform_reason(8, 4, microbatch=4) == "2 microbatches of 4 do not split equally " \
+      "over 4 GPUs"
+
+
+@pytest.mark.parametrize("batch", [8, 256])
+def test_prediction_does_not_depend_on_the_order_of_the_groups(batch):
+  a, b = (cm.parse_cluster(c) for c in (MIXED, "8xH100-SXM+8xA100-80GB"))
+  for level in ("O0", "O1", "O2", "O3"):
+    for stage in (1, 3):
+      p, q = (cm.predict(c, BIG, 2048, batch, level, stage) for c in (a, b))
+      for split in ("uniform", "balanced"):
+        x, y = getattr(p, split), getattr(q, split)
+        assert x.feasible == y.feasible and x.step_s == y.step_s and x.memory == y.memory
+        assert x.idle == y.idle
+        if x.feasible:  # the same count for every GPU of a kind, whatever the order
+          assert dict(zip(p.kinds, x.counts)) == dict(zip(q.kinds, y.counts))
+      assert p.speedup == q.speedup
+      assert (p.speedup is None) == (batch == 8)  # 8 sequences cannot cover 16 GPUs
+
+
+def test_idle_gpus_are_marked_and_hold_their_state_only():
+  p = cm.predict(cm.parse_cluster(MIXED), BIG, 2048, 8, "O2", 1)
+  bal = p.balanced
+  assert bal.feasible and bal.idle == ("A100-80GB",)
+  assert bal.counts[:8] == (0,) * 8 and sum(bal.counts) == 8
+  state = cm.persistent_bytes("O2", 1, BIG.kernel_params, BIG.other_params, 16, True,
+                              cm.Assumptions())
+  activations = cm.activation_bytes(BIG, 2048, bal.microbatch)
+  assert bal.memory["A100-80GB"] == pytest.approx(state)
+  assert bal.memory["H100-SXM"] == pytest.approx(state + activations)
+  table = cm.format_table([p])
+  assert "A100-80GB:0 (idle) H100-SXM:1" in table and "(idle): GPUs of that kind" in table
+  busy = cm.predict(cm.parse_cluster(MIXED), BIG, 2048, 256, "O0", 1)
+  assert busy.uniform.idle == () and "(idle)" not in cm.format_table([busy])
 
 
 def _write_profile(path, kind="NVIDIA H100 80GB HBM3", points=None, **changes):

@@ -145,6 +145,35 @@ def test_emulation_is_logged_once_with_its_reason(key, monkeypatch, caplog):
   assert len(msgs) == 1 and "M=10" in msgs[0]
 
 
+def test_a_plan_reason_is_left_to_the_plan_a_shape_reason_is_logged(key, monkeypatch, caplog):
+  """With a capability plan installed (the Trainer prints it), its emulation reason is not
+  logged again by every GEMM; a reason of the GEMM's own shape still is."""
+  from fp8jax import hardware
+  monkeypatch.setattr(fdot, "_LOGGED", set())
+  report = hardware.local_report()
+  dn = (((1,), (0,)), ((), ()))
+  kx, kw = jax.random.split(key)
+  w = jax.random.normal(kw, (64, 48))
+
+  def logged(plan, m):
+    caplog.clear()
+    hardware.install_plan(plan)
+    with caplog.at_level(logging.WARNING, logger="fp8jax"):
+      fp8jax.fp8_dot_general(jax.random.normal(kx, (m, 64)), w, dn, fp8jax.init_dot_meta())
+    return [r.getMessage() for r in caplog.records if "emulated" in r.getMessage()]
+
+  try:
+    emulating = hardware.CapabilityPlan((report,), (False,), ("no FP8 here",), "per_kind")
+    assert logged(emulating, 16) == []
+    native = hardware.CapabilityPlan((report,), (True,), (None,), "per_kind")
+    msgs = logged(native, 10)  # M=10: cuBLASLt takes no FP8 GEMM of this shape
+    assert len(msgs) == 1 and "M=10" in msgs[0]
+    msgs = logged(None, 16)  # no plan: the GEMM says why this process emulates
+    assert len(msgs) == 1 and "no FP8 GEMMs" in msgs[0]
+  finally:
+    hardware.install_plan(None)
+
+
 def test_cpu_is_reported_as_not_native():
   assert "no FP8 GEMMs" in fp8jax.native_fp8_reason()
 
