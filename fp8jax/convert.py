@@ -28,13 +28,14 @@ Paths name modules by their names joined with "/": linen scope names ("Block_0/D
 expressions), by position (first / last N blocks) and, by default, the LM head.
 
 Linen specifics: linen modules are created while the model runs, so `convert` traces
-``model.init`` once abstractly on the example inputs (arrays or ``jax.ShapeDtypeStruct``) to
-find the GEMMs; the converted model is a new module of a subclass of the model's class whose
-``__call__`` runs the FP8 GEMMs (other methods passed as ``apply(..., method=...)`` are not
-converted). A GEMM the example inputs did not reach raises when it runs. Under ``nn.scan``
-the scan's ``variable_axes`` must include ``fp8jax.FP8_COLLECTION`` (stacked on the layer
-axis like ``params``; it changes nothing in the unconverted model): `convert` says so when it
-is missing.
+``model.init`` abstractly on the example inputs (arrays or ``jax.ShapeDtypeStruct``), once to
+find the GEMMs and once to check the converted model. The converted model is a new module of
+a subclass of the model's class whose ``__call__`` runs the FP8 GEMMs (other methods passed
+as ``apply(..., method=...)`` are not converted). A GEMM the example inputs did not reach
+raises when it runs, and so does one in a submodule the model runs through its own
+``.apply`` (its paths start anew). Under ``nn.scan`` the scan's ``variable_axes`` must
+include ``fp8jax.FP8_COLLECTION`` (stacked on the layer axis like ``params``; it changes
+nothing in the unconverted model): `convert` says so when it is missing.
 """
 from __future__ import annotations
 
@@ -157,7 +158,8 @@ def decide(gemms: Sequence[Gemm], rules: ConvertRules, fp8: bool = True) -> dict
   Args:
     gemms: the model's GEMMs (unique paths).
     rules: the keep rules.
-    fp8: False for level O0 (nothing is converted; the rules are still checked).
+    fp8: False for level O0 (nothing is converted; the rules are still checked). Layers
+      that are not candidates keep their status ("already FP8", "embedding", ...).
   Raises:
     ValueError: a `keep` rule or a position rule matches nothing, a position rule asks for
       more blocks than a stack has, or position rules meet GEMMs stacked under a scan.
@@ -170,10 +172,10 @@ def decide(gemms: Sequence[Gemm], rules: ConvertRules, fp8: bool = True) -> dict
                        f"the model's GEMMs: {_listing(paths)}")
   positions = _position_keeps(gemms, rules)
   for g in gemms:
-    if not fp8:
-      why = "level O0"
-    elif g.status != CANDIDATE:
+    if g.status != CANDIDATE:
       why = g.status
+    elif not fp8:
+      why = "level O0"
     elif rules.keep_head and re.fullmatch(HEAD_PATTERN, g.path):
       why = "head"
     else:
@@ -492,7 +494,8 @@ def _linen_interceptor(plan: Mapping[str, Recipe | None], amax_axes: tuple[str, 
     path = "/".join(m.path[root:])
     if path not in plan:
       raise ValueError(f"fp8jax.convert: the GEMM at {path!r} did not run when the model was "
-                       "converted; convert with example inputs that reach it")
+                       "converted; convert with example inputs that reach it (a submodule run "
+                       "through its own .apply names its layers from itself: not supported)")
     recipe = plan[path]
     if recipe is None:
       return next_fun(*args, **kwargs)

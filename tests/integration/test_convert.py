@@ -252,9 +252,11 @@ def test_nnx_convert_is_the_hand_wired_model_bit_for_bit(key):
   assert report["layers/qk"].layers == 2
 
 
-def test_nnx_takes_no_example_inputs(key):
+def test_nnx_takes_no_example_inputs_and_passes_amax_axes(key):
   with pytest.raises(ValueError, match="pass no example inputs"):
     fp8jax.convert(NModel(scanned=0, rngs=nnx.Rngs(0)), "O1", _tokens(key))
+  model, _ = fp8jax.convert(NModel(scanned=0, rngs=nnx.Rngs(0)), "O1", amax_axes="data")
+  assert model.blocks[0].fc.amax_axes == ("data",) and model.blocks[0].qk.amax_axes == ("data",)
 
 
 # ---------------------------------------------------------------------- rules in the program

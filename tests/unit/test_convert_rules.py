@@ -5,7 +5,7 @@ import pytest
 from rich.console import Console
 
 import fp8jax
-from fp8jax.convert import CANDIDATE, ConvertRules, Gemm, _report, block_of, decide
+from fp8jax.convert import ALREADY_FP8, CANDIDATE, ConvertRules, Gemm, _report, block_of, decide
 
 
 def _gemms(paths, stacked=()):
@@ -68,7 +68,12 @@ def test_not_convertible_layers_and_o0_are_kept_with_their_reason():
                                    Gemm("b/Dense_0", "Dense", "bfloat16", (), "custom dot_general")]
   kept = decide(gemms, ConvertRules())
   assert kept == {"a/Dense_0": None, "embed": "embedding", "b/Dense_0": "custom dot_general"}
-  assert set(decide(gemms, ConvertRules(), fp8=False).values()) == {"level O0"}
+  gemms.append(Gemm("c/Dense_0", "Dense", "bfloat16", (), ALREADY_FP8))
+  kept = decide(gemms, ConvertRules(), fp8=False)
+  assert kept["a/Dense_0"] == "level O0" and kept["c/Dense_0"] == ALREADY_FP8
+  report = _report("O0", gemms, kept, None)
+  assert report.converted == () and report.kept == ("a/Dense_0", "b/Dense_0", "embed")
+  assert report["c/Dense_0"].fp8 and report["c/Dense_0"].format == "FP8"
 
 
 @pytest.mark.parametrize("rules, message", [
