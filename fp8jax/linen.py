@@ -139,20 +139,32 @@ class Einsum(nn.Einsum):
   @nn.compact
   def __call__(self, inputs, einsum_str: str | None = None):
     """inputs -> einsum(eqn, inputs, kernel) (+ bias)."""
-    eqn = nn.module.merge_param("einsum_str", self.einsum_str, einsum_str).replace(" ", "")
-    if "->" not in eqn or eqn.count(",") != 1:
-      raise ValueError(f"einsum_str={eqn!r} must be explicit ('->') with exactly two operands")
-    kernel = self.param("kernel", self.kernel_init, self.shape, self.param_dtype)
-    bias = None
-    if self.use_bias:
-      bias_shape, broadcasted_bias_shape = self._get_bias_shape(eqn, inputs, kernel)
-      bias = self.param("bias", self.bias_init, bias_shape, self.param_dtype)
-    inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-    y = Fp8EinsumOp(self.recipe, self.amax_axes, name="fp8")(
-        eqn, inputs, kernel, preferred_element_type=self.preferred_element_type)
-    if bias is not None:
-      y += jnp.reshape(bias, broadcasted_bias_shape)
-    return y
+    return einsum_forward(self, inputs, einsum_str, recipe=self.recipe, amax_axes=self.amax_axes)
+
+
+def einsum_forward(module: nn.Einsum, inputs, einsum_str: str | None = None, *, recipe: Recipe,
+                   amax_axes: Sequence[str] = ()):
+  """``nn.Einsum``'s forward for `module` with its contraction an FP8 GEMM.
+
+  Must run inside `module`'s own ``__call__`` (its compact scope): creates the same
+  "kernel" / "bias" params as ``nn.Einsum`` and the FP8 state under the submodule "fp8"
+  (:class:`Fp8EinsumOp`). Returns einsum(eqn, inputs, kernel) (+ bias). `precision` is
+  ignored.
+  """
+  eqn = nn.module.merge_param("einsum_str", module.einsum_str, einsum_str).replace(" ", "")
+  if "->" not in eqn or eqn.count(",") != 1:
+    raise ValueError(f"einsum_str={eqn!r} must be explicit ('->') with exactly two operands")
+  kernel = module.param("kernel", module.kernel_init, module.shape, module.param_dtype)
+  bias = None
+  if module.use_bias:
+    bias_shape, broadcasted_bias_shape = module._get_bias_shape(eqn, inputs, kernel)
+    bias = module.param("bias", module.bias_init, bias_shape, module.param_dtype)
+  inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
+  y = Fp8EinsumOp(recipe, amax_axes, parent=module, name="fp8")(
+      eqn, inputs, kernel, preferred_element_type=module.preferred_element_type)
+  if bias is not None:
+    y += jnp.reshape(bias, broadcasted_bias_shape)
+  return y
 
 
 def apply_fp8_updates(variables, grads):
