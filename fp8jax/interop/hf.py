@@ -173,7 +173,7 @@ def params_from_hf(tensors: Mapping[str, Any], config: LlamaConfig) -> dict:
     if tuple(t.shape) != want[name]:
       raise ValueError(f"checkpoint tensor {name} has shape {list(t.shape)}; the config needs "
                        f"{list(want[name])}")
-    if not np.issubdtype(t.dtype, np.floating):
+    if not jnp.issubdtype(t.dtype, jnp.floating):
       raise ValueError(f"checkpoint tensor {name} has dtype {t.dtype}; use a float dtype")
     return t.astype(dtype)
 
