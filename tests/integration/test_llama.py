@@ -249,3 +249,23 @@ def test_check_tensor_parallel():
     check_tensor_parallel(TINY.replace(n_kv_heads=1), 2)
   with pytest.raises(ValueError, match=r"model.d_ff=49 does not split"):
     check_tensor_parallel(TINY.replace(d_ff=49), 2)
+
+
+def test_unrolled_remat_gradients_are_the_scans(key):
+  """In f32 the unrolled layers under remat (save_gemm_outputs) give the scan's loss and
+  gradients up to summation order (a wrong layer slice or policy would be O(1) off)."""
+  cfg = TINY.replace(dtype="float32")
+  k1, k2 = jax.random.split(key)
+  rng = np.random.default_rng(np.asarray(jax.random.key_data(k1)))
+  shapes = jax.eval_shape(lambda: init_model(cfg, None, jax.random.key(0), 1, 8))["params"]
+  params = jax.tree.map(lambda s: (0.3 * rng.standard_normal(s.shape)).astype(np.float32),
+                        shapes)
+  batch = jax.random.randint(k2, (2, 17), 0, cfg.vocab_size)
+  out = []
+  for c in (cfg, cfg.replace(scan_layers=False, remat=True, remat_policy="save_gemm_outputs")):
+    model = Llama(c)
+    out.append(jax.jit(jax.value_and_grad(lambda p: layers.next_token_loss(
+        model.apply({"params": p}, batch[:, :-1]), batch[:, 1:])))(params))
+  assert float(out[1][0]) == pytest.approx(float(out[0][0]), rel=1e-6)
+  for a, b in zip(jax.tree.leaves(out[0][1]), jax.tree.leaves(out[1][1]), strict=True):
+    assert 0 < np.linalg.norm(a) and rel_err(b, a) < 1e-5, a.shape
