@@ -73,8 +73,8 @@ def config_from_hf(hf: Mapping[str, Any], **overrides) -> LlamaConfig:
   missing = [k for k in _REQUIRED if k not in hf]
   if missing:
     raise ValueError(f"config.json lacks {missing}; a LLaMA config needs {list(_REQUIRED)}")
-  for key, allowed in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
-                       ("pretraining_tp", 1)):
+  # (pretraining_tp > 1 only slices the same products in transformers: accepted)
+  for key, allowed in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
     if hf.get(key, allowed) != allowed:
       raise ValueError(f"config.json {key}={hf[key]!r} is not supported; use {allowed!r}")
   if hf.get("attention_dropout", 0.0):
