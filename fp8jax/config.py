@@ -31,6 +31,8 @@ import numpy as np
 import yaml
 
 from fp8jax.data import BYTE_VOCAB
+from fp8jax.interop import hf
+from fp8jax.models.family import FAMILIES, family as model_family
 from fp8jax.models.gpt import ModelConfig
 from fp8jax.parallel.combine import WITHOUT_XLA_MEANING
 from fp8jax.recipe import LEVELS, OptLevel, Recipe, format_name, opt_level
@@ -293,12 +295,91 @@ class ModelSection(_mirror(
     defaults={"d_model": 128, "d_ff": 512, "max_seq_len": 128},
     # Training has no loss scaling, which float16 activations would need.
     rules={"dtype": _one_of("bfloat16", "float32")})):
-  """Decoder shape and numerics: one key per field of ``fp8jax.models.gpt.ModelConfig``
-  (its docstring says what each does), checked by ``ModelConfig`` itself."""
+  """The model: a built-in family (``family``: "gpt", ``fp8jax.models.gpt.ModelConfig``'s
+  keys, or "llama", ``fp8jax.models.llama.LlamaConfig``'s: the shared keys plus n_kv_heads,
+  norm_eps, rope_scaling), optionally initialised from a Hugging Face checkpoint
+  (``init_from: hf:DIR``: the shape is the checkpoint's), or a user's module from ``builder``
+  ("package.module:function", called with ``builder_args``; see ``fp8jax.train.model``).
+  Checked by the family's config class itself."""
+  family: str = _field("gpt", _one_of(*tuple(FAMILIES)))
+  n_kv_heads: int | None = _field(None, _ge(1))
+  norm_eps: float = _field(1e-5, _gt(0))
+  rope_scaling: dict | None = None
+  init_from: str | None = _field(None, _Rule(lambda v: v.startswith("hf:") and len(v) > 3,
+                                             "'hf:' followed by a checkpoint directory"))
+  builder: str | None = _field(None, _Rule(
+      lambda v: re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", v) is not None,
+      "'package.module:function'"))
+  builder_args: dict | None = None
 
-  def model_config(self) -> ModelConfig:
-    """The ``ModelConfig`` these settings describe."""
-    return self._build()
+  def _check(self):
+    if self.builder is not None:
+      if self.init_from is not None:
+        _fail(f"model.init_from={self.init_from!r} is not allowed with model.builder (a "
+              "builder makes its own parameters); drop one of them")
+      return
+    self.model_config()
+
+  def _set_keys(self, names) -> list[str]:
+    """The keys among `names` set to something other than their default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(self)}
+    return [n for n in names if getattr(self, n) != defaults[n]]
+
+  def model_config(self):
+    """The family's config these settings describe (``ModelConfig`` or ``LlamaConfig``);
+    with ``init_from`` the checkpoint's, with the settings that may differ applied. None
+    with ``builder``."""
+    if self.builder is not None:
+      return None
+    if self.init_from is not None:
+      return self._checkpoint_config()
+    if self.family == "gpt":
+      foreign = self._set_keys(_LLAMA_ONLY)
+      if foreign:
+        _fail(f"model.{foreign[0]}={getattr(self, foreign[0])!r} is a key of model.family "
+              f"llama, not of {self.family!r}; remove it or set model.family=llama")
+      return self._build()
+    return self._llama_config()
+
+  def _llama_config(self):
+    foreign = [n for n in self._set_keys(_GPT_ONLY) if getattr(self, n) != _LLAMA_FIXED.get(n)]
+    if foreign:
+      _fail(f"model.{foreign[0]}={getattr(self, foreign[0])!r} is not a key of model.family "
+            f"llama (LLaMA: {', '.join(f'{k} {v}' for k, v in _LLAMA_FIXED.items())}); "
+            "remove it")
+    cls = model_family("llama").config_cls
+    names = [f.name for f in dataclasses.fields(cls)]
+    values = {n: getattr(self, n) for n in names if hasattr(self, n)}
+    if values["n_kv_heads"] is None:
+      values["n_kv_heads"] = self.n_heads
+    try:
+      return cls(**values)
+    except ValueError as e:
+      raise ValueError(_reworded(str(e), cls.__name__, self._path, values)) from None
+
+  def _checkpoint_config(self):
+    """The config of ``init_from``'s checkpoint; the settings of ``hf.LOAD_OVERRIDES`` this
+    section sets apply, any other shape key set here must equal the checkpoint's."""
+    if self.family != "llama":
+      _fail(f"model.init_from={self.init_from!r} reads a LLaMA checkpoint; set "
+            f"model.family=llama (got {self.family!r})")
+    path = self.init_from[len("hf:"):]
+    overrides = {k: getattr(self, k) for k in self._set_keys(hf.LOAD_OVERRIDES)}
+    try:
+      loaded = hf.load_config(path, **overrides)
+    except (OSError, ValueError) as e:
+      _fail(f"model.init_from={self.init_from!r}: {e}")
+    for name in self._set_keys(n for n in self._mirrored + _LLAMA_ONLY
+                               if n not in hf.LOAD_OVERRIDES and hasattr(loaded, n)):
+      if getattr(loaded, name) != getattr(self, name):
+        _fail(f"model.{name}={getattr(self, name)!r} differs from the checkpoint's "
+              f"{getattr(loaded, name)!r} (model.init_from={self.init_from!r}); remove it")
+    return loaded
+
+
+_LLAMA_ONLY = ("n_kv_heads", "norm_eps", "rope_scaling")
+_GPT_ONLY = ("mlp", "norm", "fuse_gelu_into_fp8_cast")
+_LLAMA_FIXED = {"mlp": "swiglu", "norm": "rmsnorm"}  # what LLaMA's blocks always are
 
 
 @dataclasses.dataclass(frozen=True)
@@ -577,11 +658,14 @@ class Config(_Section):
     _refuse_unbuilt(self)
 
   def _check_data_fits_model(self):
-    if self.data.seq_len > self.model.max_seq_len:
+    model = self.model.model_config()
+    if model is None:  # a builder's model: checked when it runs
+      return
+    if self.data.seq_len > model.max_seq_len:
       _fail(f"data.seq_len={self.data.seq_len} is larger than "
-            f"model.max_seq_len={self.model.max_seq_len}; use seq_len <= max_seq_len")
-    if self.data.byte_level and self.model.vocab_size < BYTE_VOCAB:
-      _fail(f"model.vocab_size={self.model.vocab_size} is too small for byte-level text "
+            f"model.max_seq_len={model.max_seq_len}; use seq_len <= max_seq_len")
+    if self.data.byte_level and model.vocab_size < BYTE_VOCAB:
+      _fail(f"model.vocab_size={model.vocab_size} is too small for byte-level text "
             f"(data.source={self.data.source!r}); use vocab_size >= {BYTE_VOCAB}")
 
   def zero_stage(self) -> int:
@@ -593,11 +677,12 @@ class Config(_Section):
     tp = self.parallel.tensor_parallel_size
     if tp == 1:
       return
-    from fp8jax.parallel.tensor import check_divisible
-    try:
-      check_divisible(self.model.n_heads, self.model.d_ff, tp)
-    except ValueError as e:
-      _fail(str(e))
+    model = self.model.model_config()
+    if model is not None:
+      try:
+        model_family(self.model.family).check_tensor_parallel(model, tp)
+      except ValueError as e:
+        _fail(str(e))
     if self.parallel.device_map is not None:
       _fail(f"parallel.tensor_parallel_size={tp} with parallel.device_map is not supported yet "
             "(the balanced step replicates the weights in each group); drop one of them")

@@ -87,7 +87,7 @@ class ModelConfig:
     dtype: compute dtype name of activations and BF16 GEMMs ("bfloat16", "float32", ...).
     param_dtype: storage dtype name of parameters.
     tie_embeddings: the LM head reuses the embedding matrix (then it is a BF16 GEMM).
-    rope_base: RoPE frequency base.
+    rope_theta: RoPE frequency base.
     dropout_rate: dropout on embeddings and residual branches (training only).
     attention_impl: ``jax.nn.dot_product_attention`` implementation, "xla" or "cudnn".
   """
@@ -108,7 +108,7 @@ class ModelConfig:
   dtype: str = "bfloat16"
   param_dtype: str = "float32"
   tie_embeddings: bool = False
-  rope_base: float = 10000.0
+  rope_theta: float = 10000.0
   dropout_rate: float = 0.0
   attention_impl: str = "xla"
 
@@ -131,7 +131,7 @@ class ModelConfig:
     for name in ("remat", "remat_save_fp8_weights", "tie_embeddings",
                  "fuse_gelu_into_fp8_cast", "scan_layers"):
       layers.check_bool("ModelConfig", name, getattr(self, name))
-    layers.check_float("ModelConfig", "rope_base", self.rope_base, lambda v: v > 1,
+    layers.check_float("ModelConfig", "rope_theta", self.rope_theta, lambda v: v > 1,
                        "a number > 1")
     layers.check_float("ModelConfig", "dropout_rate", self.dropout_rate,
                        lambda v: 0 <= v < 1, "a number in [0, 1)")
@@ -168,8 +168,8 @@ class GPT(layers.Decoder):
   recipe: Recipe | None = None
 
   def rope(self, seq_len: int):
-    """(cos, sin), each f32[seq_len, head_dim / 2], base ``config.rope_base``."""
-    return rope_tables(seq_len, self.config.head_dim, self.config.rope_base)
+    """(cos, sin), each f32[seq_len, head_dim / 2], base ``config.rope_theta``."""
+    return rope_tables(seq_len, self.config.head_dim, self.config.rope_theta)
 
 
 def matmul_param_count(config: ModelConfig) -> int:

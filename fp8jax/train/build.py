@@ -11,17 +11,24 @@ import jax.numpy as jnp
 
 from fp8jax import linen, parallel
 from fp8jax.dot import native_fp8_reason
-from fp8jax.models.gpt import GPT
+from fp8jax.parallel.tensor import GPT_RULES
 from fp8jax.parallel.layout import group_count
 from fp8jax.parallel.zero import ZeroPlan
 from fp8jax.train.optimizer import make_fused_update, make_optimizer, schedule_for
+from fp8jax.train.model import RunModel
 from fp8jax.train.step import TrainStep, build_step
 
 
-def model_and_optimizer(config):
-  """(GPT at the config's level, learning-rate schedule, optax optimizer with clipping)."""
+def run_model(config) -> RunModel:
+  """The config's model (family, Hugging Face checkpoint or builder) for its microbatches."""
+  return RunModel(config, config.train.microbatch_size, config.data.seq_len)
+
+
+def model_and_optimizer(config, run: RunModel | None = None):
+  """(the model at the config's level, learning-rate schedule, optax optimizer with
+  clipping); `run`: the config's :func:`run_model` when already built."""
   level, t = config.level(), config.train
-  model = GPT(config.model.model_config(), level.recipe)
+  model = (run or run_model(config)).at(level.recipe)
   schedule = schedule_for(config)
   tx = make_optimizer(schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
                       clip_norm=t.gradient_clipping, level=level)
@@ -37,12 +44,13 @@ def calibration_on(config) -> bool:
   return mode == "always" or native_fp8_reason() is None
 
 
-def weight_cast_fn(config, model: GPT, microbatches: int) -> Callable | None:
+def weight_cast_fn(config, model, microbatches: int) -> Callable | None:
   """fp8.cast_weights_once resolved for a step of `microbatches`: ``variables -> {collection:
   FP8 weight casts}`` (``fp8jax.linen.cast_weights`` with `model`'s recipe and compute dtype)
   to cast every weight once for all microbatches; None at O0, with one microbatch (the model
   casts once anyway) or with the option off."""
-  if not config.fp8.cast_weights_once or model.recipe is None or microbatches < 2:
+  if (not config.fp8.cast_weights_once or getattr(model, "recipe", None) is None
+      or microbatches < 2):  # (a builder's converted module casts per microbatch)
     return None
   return functools.partial(linen.cast_weights, recipe=model.recipe,
                            dtype=jnp.dtype(model.config.dtype))
@@ -59,9 +67,10 @@ def run_devices(config) -> list | None:
   return jax.devices()[:1] if alone else None
 
 
-def zero_plan(config, abstract_state) -> ZeroPlan:
+def zero_plan(config, abstract_state, tensor_rules: Sequence = GPT_RULES) -> ZeroPlan:
   """Where `abstract_state` lives on the config's mesh (:func:`run_devices`; one device is a
-  mesh of one) and how its step gathers and reduces (``fp8jax.parallel.plan``)."""
+  mesh of one) and how its step gathers and reduces (``fp8jax.parallel.plan``; the model's
+  `tensor_rules`)."""
   p = config.parallel
   mesh = parallel.mesh_from_config(p, run_devices(config))
   if config.grad_comm() == "fp8" and group_count(mesh) < 2:
@@ -70,7 +79,8 @@ def zero_plan(config, abstract_state) -> ZeroPlan:
                      "'native' / 'auto' or more devices")
   return parallel.plan(abstract_state, mesh, config.zero_stage(), level=config.level(),
                        offload=p.offload_optimizer, reduce_bucket_size=p.reduce_bucket_size,
-                       allgather_bucket_size=p.allgather_bucket_size)
+                       allgather_bucket_size=p.allgather_bucket_size,
+                       tensor_rules=tensor_rules)
 
 
 def fused_update_fn(config, schedule, plan: ZeroPlan) -> Callable | None:
@@ -129,7 +139,8 @@ class StepCache:
           dynamic=self.dynamic, microbatch_size=c.train.microbatch_size,
           grad_comm=c.grad_comm(), comm_scaling=c.parallel.grad_comm_scaling,
           growth_interval=c.grad_comm_growth_interval(), fused_update=self.fused_update,
-          cast_weights=weight_cast_fn(c, model, microbatches), matrix_dtype=c.model.dtype))
+          cast_weights=weight_cast_fn(c, model, microbatches),
+          matrix_dtype=c.model.dtype if c.model.builder is None else None))
     return self._steps[key][1]
 
   def built(self) -> list[tuple]:

@@ -37,14 +37,15 @@ class Calibration:
 
   Args:
     model: the run's model (its casts fall back to just-in-time scales when unobserved).
-    enabled: switch to the calibrated model once every FP8 state has observed a tensor.
+    calibrated_model: the same model with ``Recipe(calibrated=True)``, run once every FP8
+      state has observed a tensor; None: always `model`.
   Attributes:
     first: the model run while some state is unobserved; model: the steady model.
   """
 
-  def __init__(self, model, enabled: bool):
-    self.enabled, self.first = enabled, model
-    self.model = calibrated(model) if enabled else model
+  def __init__(self, model, calibrated_model=None):
+    self.enabled, self.first = calibrated_model is not None, model
+    self.model = model if calibrated_model is None else calibrated_model
     self._first: bool | None = None  # None: not checked yet for the current state
 
   def uses_first(self, fp8_state) -> bool:

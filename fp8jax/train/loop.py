@@ -10,32 +10,31 @@ its shardings. Every step, whatever the layout, comes from ``build.StepCache`` (
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from fp8jax import data as data_lib
 from fp8jax import optim as fp8_optim
 from fp8jax.config import Config, save_config
 from fp8jax.dot import native_fp8_reason
-from fp8jax.models.gpt import GPT, flops_per_token, param_count
+from fp8jax.models.layers import param_count
 from fp8jax.parallel import balance, capability, layout
 from fp8jax.parallel import device_map as device_map_lib
 from fp8jax.train import build, guards
 from fp8jax.train import metrics as metrics_lib
 from fp8jax.train.calibration import Calibration
+from fp8jax.train.fallback import Bf16Loss, record_fallback
 from fp8jax.train.health import fp8_cast_health
 from fp8jax.train.progress import ProgressBar
 from fp8jax.train.resume import (RunCheckpoints, RunRecords, claim_run_dir, records_of,
                                  saved_fallback, stopped_line)
-from fp8jax.train.state import TrainState, state_init_fn
-from fp8jax.train.step import TrainStep, make_eval_step, next_token_loss
+from fp8jax.train.state import load_params, state_init_fn
+from fp8jax.train.step import TrainStep, make_eval_step
 
 logger = logging.getLogger("fp8jax")
 
@@ -50,28 +49,29 @@ class Trainer:
     self.config, self.progress, self.overwrite = config, progress, overwrite
     t, d = config.train, config.data
     self.level = config.level()
-    self.model_config = config.model.model_config()
-    model, self.schedule, self.tx = build.model_and_optimizer(config)
+    self.run_model = build.run_model(config)
+    self.model_config = self.run_model.model_config  # the family's config (None: a builder)
+    model, self.schedule, self.tx = build.model_and_optimizer(config, self.run_model)
+    vocab = getattr(self.model_config, "vocab_size", None)
     self.data = data_lib.load_data(None if d.source == "stdlib" else d.source,
                                    val_fraction=d.val_fraction, max_bytes=d.max_bytes,
-                                   vocab_size=config.model.vocab_size, tokenizer=d.tokenizer,
+                                   vocab_size=vocab, tokenizer=d.tokenizer,
                                    cache_dir=d.cache_dir, progress=None if progress else False)
     self.train_batches = self.data.batches("train", t.microbatch_size, d.seq_len, seed=d.seed)
     self.capability = capability.agree(config.parallel.fp8_capability)
-    self.calibration = Calibration(model, build.calibration_on(config))
     self.grad_comm = config.grad_comm()  # "fp8" or "native"
     init = state_init_fn(model, self.tx, self.level, t.microbatch_size, d.seq_len, t.seed,
                          comm_scaling=config.parallel.grad_comm_scaling == "auto")
-    self.plan = build.zero_plan(config, jax.eval_shape(init))
+    self.plan = build.zero_plan(config, jax.eval_shape(init), self.run_model.tensor_rules)
     self.state = jax.jit(init, out_shardings=self.plan.state)()  # no unsharded copy
+    pretrained = self.run_model.pretrained_params(config)
+    if pretrained is not None:  # model.init_from: its weights, into the plan's shardings
+      self.state = load_params(self.state, pretrained, self.level, self.plan.state.params)
     self.group_seconds = self._group_seconds()  # None: uniform split (no device_map)
-    self.steps = build.StepCache(
-        config, self.tx, self.plan, build.fused_update_fn(config, self.schedule, self.plan),
-        self.balanced_counts if self.group_seconds is not None else None)
-    self._eval = jax.jit(make_eval_step(self.calibration.model.apply))
-    self._health = self._health_probe()
+    self._fused_update = build.fused_update_fn(config, self.schedule, self.plan)
+    self._use_model(self.level.recipe, calibrate=build.calibration_on(config))
     self.run_dir = config.runtime.run_path
-    self.flops_per_token = flops_per_token(self.model_config, d.seq_len)
+    self.flops_per_token = self.run_model.flops_per_token
     self.fp8_peak = self.level.fp8_gemms and native_fp8_reason() is None
     self.checkpoints = (RunCheckpoints(config, self.run_dir) if config.checkpoint.enabled
                         else None)
@@ -81,8 +81,20 @@ class Trainer:
         r.divergence_check_every if self.level.fp8_gemms else 0, r.divergence_threshold)
     self.fallback_reason: str | None = None
     self._unread: list[tuple[int, dict]] = []  # (step, metrics) the host has not read yet
-    self._bf16_eval: dict[int, Any] = {}
+    self._bf16_loss = Bf16Loss(self.run_model.at(None), t.microbatch_size)
     self.writer: metrics_lib.MetricWriter | metrics_lib.NullWriter = metrics_lib.NullWriter()
+
+  def _use_model(self, recipe, calibrate: bool) -> None:
+    """Builds what runs the model with `recipe`'s GEMMs (None: BF16): the calibration
+    (``fp8.calibrate``), the train steps, the evaluation step and the FP8 health probe."""
+    first = self.run_model.at(recipe)
+    steady = self.run_model.at(recipe.replace(calibrated=True)) if calibrate else None
+    self.calibration = Calibration(first, steady)
+    self.steps = build.StepCache(
+        self.config, self.tx, self.plan, self._fused_update,
+        self.balanced_counts if self.group_seconds is not None else None)
+    self._eval = jax.jit(make_eval_step(self.calibration.model.apply))
+    self._health = self._health_probe() if recipe is not None else None
 
   @property
   def model(self):
@@ -118,7 +130,8 @@ class Trainer:
       bar.advance(start)
       for step in range(start, t.steps):
         batch = self.next_batch(step)
-        bf16_loss = self._bf16_loss(self.state, batch) if self.watchdog.due(step) else None
+        bf16_loss = (self._bf16_loss(self.state.model_params(), self._put_eval(batch))
+                     if self.watchdog.due(step) else None)
         self.state, m = self.step_fn(cfg.microbatches_at(step))(self.state, batch)
         heartbeat.beat()
         window.add(m, batch)
@@ -342,7 +355,7 @@ class Trainer:
       if skipped:
         self.writer.write(done + 1, {"skipped_steps": self.skips.total})
       if reload:
-        self._reload_after_skips(step)
+        self._reload_after_skips(step)  # continues after the newest step
     self._unread = []
     if bf16_loss is not None and metrics is not None and not skipped:
       reason = self.watchdog.check(step, float(metrics["loss"]), float(bf16_loss))
@@ -350,55 +363,28 @@ class Trainer:
         self.fall_back_to_bf16(reason)
 
   def _reload_after_skips(self, step: int) -> None:
-    """Reloads model, FP8 and optimizer state from the newest checkpoint to continue after
-    step `step`; the data position stays where it is (the bad batches are not replayed)."""
+    """K skips in a row: the newest checkpoint's state, continuing after step `step`."""
     limit = self.config.runtime.max_consecutive_skips
-    restored = self.checkpoints.restore(self.state) if self.checkpoints is not None else None
-    if restored is None:
+    if self.checkpoints is None:
       raise RuntimeError(f"{limit} consecutive steps had non-finite loss or gradients (last: "
-                         f"step {step}) and there is no checkpoint to reload; enable "
+                         f"step {step}) and checkpointing is off; enable "
                          "checkpoint.checkpoint_every_n_steps or lower the learning rate")
-    now = jax.device_put(jnp.asarray(step + 1, jnp.int32), restored.state.step.sharding)
-    self.state = restored.state._replace(step=now)
+    self.state, restored = self.checkpoints.reload_after_skips(self.state, step, limit)
     self.calibration.reset()
     logger.warning("%d consecutive non-finite steps: reloaded checkpoint step %d, continuing "
-                   "at step %d with the next batches", limit, restored.step, step + 1)
-
-  def _bf16_loss(self, state: TrainState, batch) -> jax.Array:
-    """Mean loss of `batch` with BF16 (O0) GEMMs and the same parameters, averaged over
-    microbatches like the train step's loss."""
-    n = batch.shape[0] // self.config.train.microbatch_size
-    if n not in self._bf16_eval:
-      model = GPT(self.model_config, None)
-
-      def loss(params, batch):
-        parts = batch.reshape(n, -1, batch.shape[-1])
-        each = jax.lax.map(lambda b: next_token_loss(model.apply, {"params": params}, b), parts)
-        return jnp.mean(each)
-      self._bf16_eval[n] = jax.jit(loss)
-    return self._bf16_eval[n](state.model_params(), self._put_eval(batch))
+                   "at step %d with the next batches", limit, restored, step + 1)
 
   def fall_back_to_bf16(self, reason: str, record: bool = True) -> None:
     """Switches the run to BF16 (O0) GEMMs, keeping parameters and optimizer state; the
     reason is logged, written to metrics.jsonl and saved with every later checkpoint."""
     self.fallback_reason = reason
-    model = GPT(self.model_config, None)
-    self.calibration = Calibration(model, False)
     self.state = self.state._replace(fp8={})
     self.plan = dataclasses.replace(self.plan, state=self.plan.state._replace(fp8={}))
-    self.steps = build.StepCache(self.config, self.tx, self.plan, self.steps.fused_update,
-                                 self.steps.counts_fn)
-    self._health = None
-    self._eval = jax.jit(make_eval_step(model.apply))
+    self._use_model(None, calibrate=False)
     self.watchdog = guards.DivergenceWatchdog(0)
     self.fp8_peak = False
     if record:
-      logger.warning(reason)
-      print(f"fp8jax train: {reason}")
-      step = int(self.state.step)
-      self.writer.write(step, {"bf16_fallback": 1.0})
-      with open(os.path.join(self.run_dir, "events.jsonl"), "a") as f:
-        f.write(json.dumps({"step": step, "event": "bf16_fallback", "reason": reason}) + "\n")
+      record_fallback(reason, int(self.state.step), self.run_dir, self.writer)
 
 
 class _Window:

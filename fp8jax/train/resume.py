@@ -15,6 +15,7 @@ import shutil
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from fp8jax import checkpoint as checkpoint_lib
 from fp8jax.config import Config, config_to_dict
@@ -189,6 +190,19 @@ class RunCheckpoints:
     if meta is not None:
       self._check_same_run(meta)
     return meta
+
+  def reload_after_skips(self, state, step: int, limit: int):
+    """`state` replaced by the newest checkpoint's model, FP8 and optimizer state, its step
+    count set to `step` + 1 (the run continues after optimizer step `step` with the next
+    batches; the bad ones are not replayed). Returns (state, the checkpoint's step);
+    RuntimeError when there is no checkpoint to go back to."""
+    restored = self.restore(state)
+    if restored is None:
+      raise RuntimeError(f"{limit} consecutive steps had non-finite loss or gradients (last: "
+                         f"step {step}) and there is no checkpoint to reload; enable "
+                         "checkpoint.checkpoint_every_n_steps or lower the learning rate")
+    now = jax.device_put(jnp.asarray(step + 1, jnp.int32), restored.state.step.sharding)
+    return restored.state._replace(step=now), restored.step
 
   def restore(self, state, shardings=None) -> checkpoint_lib.Restored | None:
     """The newest good checkpoint restored like `state` onto `shardings` (default: the

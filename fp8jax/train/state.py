@@ -1,10 +1,12 @@
 """The train state: a plain pytree of everything a step reads and writes."""
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fp8jax.linen import FP8_COLLECTION
 from fp8jax.optim import MasterWeights, init_master, master_params
@@ -75,3 +77,23 @@ def init_state(model, tx, level, batch_size: int, seq_len: int, seed: int, *,
   init = state_init_fn(model, tx, level, batch_size, seq_len, seed, comm_scaling=comm_scaling)
   out = None if shardings is None else shardings(jax.eval_shape(init))
   return jax.jit(init, out_shardings=out)()
+
+
+def load_params(state: TrainState, params, level, shardings) -> TrainState:
+  """`state` with its parameters replaced by `params` (the model's params tree of arrays,
+  e.g. numpy from a checkpoint, in the model's parameter dtype), placed on `shardings` (the
+  plan's ``state.params``); FP16 master weights where `level` keeps them. The FP8 and
+  optimizer state stay as they are (fresh). ValueError when the tree or a shape differs."""
+  want = jax.eval_shape(state.model_params)
+  got = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), params)
+  if jax.tree.structure(got) != jax.tree.structure(want):
+    raise ValueError(f"the loaded params' tree differs from the model's: "
+                     f"{jax.tree.structure(got)} vs {jax.tree.structure(want)}")
+  for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0],
+                          jax.tree.leaves(want)):
+    if g.shape != w.shape:
+      raise ValueError(f"loaded param {jax.tree_util.keystr(path)} has shape {g.shape}; the "
+                       f"model's is {w.shape}")
+  as_state = functools.partial(init_master, dtype=level.master_dtype) if level.scaled_master \
+      else (lambda p: jax.tree.map(lambda a, w: a.astype(w.dtype), p, want))
+  return state._replace(params=jax.jit(as_state, out_shardings=shardings)(params))

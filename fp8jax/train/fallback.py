@@ -1,0 +1,52 @@
+"""The switch to BF16 GEMMs when FP8 diverges: the BF16 loss the divergence watchdog
+(``fp8jax.train.guards.DivergenceWatchdog``) compares the FP8 step's loss with, and the
+record of a switch (log line, metrics, ``events.jsonl``, and checkpoint metadata through the
+run's records)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from fp8jax.train.step import next_token_loss
+
+logger = logging.getLogger("fp8jax")
+
+
+class Bf16Loss:
+  """``(params, batch int32[n m, T+1]) -> mean loss`` of `model` (a BF16 model: no FP8
+  state) over the batch's n microbatches of `microbatch_size` sequences, averaged like the
+  train step's loss; one jitted program per n."""
+
+  def __init__(self, model, microbatch_size: int):
+    self.model, self.microbatch_size = model, microbatch_size
+    self._jitted: dict[int, Callable] = {}
+
+  def __call__(self, params, batch) -> jax.Array:
+    n = batch.shape[0] // self.microbatch_size
+    if n not in self._jitted:
+      apply = self.model.apply
+
+      def loss(params, batch):
+        parts = batch.reshape(n, -1, batch.shape[-1])
+        each = jax.lax.map(lambda b: next_token_loss(apply, {"params": params}, b), parts)
+        return jnp.mean(each)
+      self._jitted[n] = jax.jit(loss)
+    return self._jitted[n](params, batch)
+
+
+def record_fallback(reason: str, step: int, run_dir: str, writer) -> None:
+  """Says that the run switched to BF16 GEMMs after optimizer step `step`: a warning, a line
+  on stdout, ``bf16_fallback: 1`` in the metrics and an event in `run_dir`/events.jsonl."""
+  logger.warning(reason)
+  print(f"fp8jax train: {reason}")
+  writer.write(step, {"bf16_fallback": 1.0})
+  with open(os.path.join(run_dir, "events.jsonl"), "a") as f:
+    f.write(json.dumps({"step": step, "event": "bf16_fallback", "reason": reason}) + "\n")
+
+
+__all__ = ["Bf16Loss", "record_fallback"]

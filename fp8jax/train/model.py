@@ -1,0 +1,143 @@
+"""The run's model, from the config's model section: a built-in family (``gpt``, ``llama``),
+the LLaMA family started from a Hugging Face checkpoint (``init_from: hf:DIR``), or a user's
+Flax linen module (``builder: "package.module:function"``, called with ``builder_args``).
+
+A builder returns an ``nn.Module`` (written with plain ``nn.Dense`` / ``nn.DenseGeneral`` /
+``nn.Einsum``; fp8jax converts it at the run's level with :func:`fp8jax.convert`) or a
+:class:`UserModel` that also gives its FLOPs per token, tensor-parallel rules and conversion
+rules. The module is applied as ``module.apply(variables, tokens int32[B, T]) -> logits
+[B, T, V]``. Without stated FLOPs they are counted from the forward's jaxpr
+(``fp8jax.models.flops``). A model without tensor rules still shards with ZeRO 1-3.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from fp8jax.convert import ConvertReport, ConvertRules, convert
+from fp8jax.interop import hf
+from fp8jax.models.family import family as model_family
+from fp8jax.models.flops import training_flops_per_token
+from fp8jax.recipe import Recipe
+
+
+@dataclasses.dataclass(frozen=True)
+class UserModel:
+  """What a ``model.builder`` may return instead of a bare module.
+
+  Attributes:
+    module: the Flax linen module in high precision (fp8jax converts it per level).
+    flops_per_token: training FLOPs per token at the run's sequence length, for MFU (None:
+      counted from the forward's jaxpr, 3 x its GEMM FLOPs).
+    tensor_rules: tensor-parallel rules, ``(path piece, dimension from the end, rank)`` as in
+      ``fp8jax.parallel.tensor`` (empty: parameters replicate over "tensor").
+    convert_rules: which GEMMs stay high precision (default ``fp8jax.ConvertRules()``: the LM
+      head).
+  """
+
+  module: nn.Module
+  flops_per_token: float | None = None
+  tensor_rules: tuple = ()
+  convert_rules: ConvertRules | None = None
+
+
+def load_builder(spec: str) -> Callable[..., Any]:
+  """The function named by ``"package.module:function"``; ValueError saying what is wrong."""
+  module_name, _, name = spec.partition(":")
+  try:
+    module = importlib.import_module(module_name)
+  except ImportError as e:
+    raise ValueError(f"model.builder={spec!r}: cannot import {module_name!r} ({e}); put it on "
+                     "PYTHONPATH") from None
+  fn = getattr(module, name, None)
+  if not callable(fn):
+    raise ValueError(f"model.builder={spec!r}: {module_name} has no function {name!r}")
+  return fn
+
+
+class RunModel:
+  """The run's model at any recipe.
+
+  Args:
+    config: the run's ``fp8jax.config.Config``.
+    batch_size, seq_len: the shape of one microbatch of tokens (for a builder's conversion
+      and FLOP count).
+
+  Attributes:
+    name: "gpt", "llama" or the builder's spec.
+    model_config: the family's config (None for a builder).
+    tensor_rules: the tensor-parallel rules.
+    flops_per_token: training FLOPs per token at `seq_len`.
+    convert_report: what :func:`fp8jax.convert` converted (builders at an FP8 level), else
+      None.
+  """
+
+  def __init__(self, config, batch_size: int, seq_len: int):
+    m = config.model
+    self._tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
+    self._cache: dict = {}
+    self.convert_report: ConvertReport | None = None
+    if m.builder is None:
+      self.name, self.model_config = m.family, m.model_config()
+      fam = model_family(m.family)
+      self._family = fam
+      self.tensor_rules = tuple(fam.tensor_rules)
+      self.flops_per_token = fam.flops_per_token(self.model_config, seq_len)
+      return
+    self.name, self.model_config, self._family = m.builder, None, None
+    built = load_builder(m.builder)(**(m.builder_args or {}))
+    user = built if isinstance(built, UserModel) else UserModel(built)
+    if not isinstance(user.module, nn.Module):
+      raise ValueError(f"model.builder={m.builder!r} returned {type(user.module).__name__}; "
+                       "return a flax.linen Module or an fp8jax.train.UserModel (NNX modules: "
+                       "wrap them with flax.nnx.bridge.to_linen)")
+    self._user = user
+    self.tensor_rules = tuple(user.tensor_rules)
+    self.flops_per_token = user.flops_per_token
+    if self.flops_per_token is None:
+      variables = jax.eval_shape(lambda: user.module.init(jax.random.key(0), self._tokens))
+      self.flops_per_token = training_flops_per_token(
+          user.module.apply, variables, batch_size, seq_len)
+
+  def at(self, recipe: Recipe | None) -> nn.Module:
+    """The model with FP8 GEMMs of `recipe` (None: BF16/high precision); one object per
+    recipe."""
+    if recipe not in self._cache:
+      if self._family is not None:
+        self._cache[recipe] = self._family.model(self.model_config, recipe)
+      elif recipe is None:
+        self._cache[recipe] = self._user.module
+      else:
+        module, report = convert(self._user.module, recipe, self._tokens,
+                                 rules=self._user.convert_rules)
+        self._cache[recipe] = module
+        if self.convert_report is None:
+          self.convert_report = report
+    return self._cache[recipe]
+
+  def pretrained_params(self, config) -> dict | None:
+    """The ``init_from`` checkpoint's params (numpy, the model's params tree) or None."""
+    m = config.model
+    if m.init_from is None:
+      return None
+    overrides = {k: getattr(self.model_config, k) for k in hf.LOAD_OVERRIDES}
+    _, params = hf.load_pretrained(m.init_from[len("hf:"):], **overrides)
+    return params
+
+
+def describe_conversion(report: ConvertReport | None) -> Sequence[str]:
+  """Lines for the run's start: how many GEMMs a builder's model runs in FP8 and which it
+  keeps (none when nothing was converted)."""
+  if report is None:
+    return ()
+  kept = ", ".join(e.path for e in report.kept) or "none"
+  return (f"converted {len(report.converted)} GEMM layers to FP8 ({report.level}); kept in "
+          f"high precision: {kept}",)
+
+
+__all__ = ["RunModel", "UserModel", "load_builder", "describe_conversion"]
