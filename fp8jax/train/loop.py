@@ -29,6 +29,7 @@ from fp8jax.train import build, guards
 from fp8jax.train import metrics as metrics_lib
 from fp8jax.train.calibration import Calibration
 from fp8jax.train.fallback import Bf16Loss, record_fallback
+from fp8jax.train.model import describe_conversion
 from fp8jax.train.health import fp8_cast_health
 from fp8jax.train.progress import ProgressBar
 from fp8jax.train.resume import (RunCheckpoints, RunRecords, claim_run_dir, records_of,
@@ -212,11 +213,13 @@ class Trainer:
     if jax.process_count() > 1:
       print(f"fp8jax train: process {jax.process_index()} of {jax.process_count()}")
     if primary:
-      for line in self.capability.lines() + self.config.notices():
+      for line in (self.capability.lines() + self.config.notices()
+                   + list(describe_conversion(self.run_model.convert_report))):
         print(f"fp8jax train: {line}")
       if self.group_seconds is not None:
         print(f"fp8jax train: {self._balance_line(self.config.microbatches_at(start))}")
-    print(f"fp8jax train: level {self.level.name}, {n / 1e6:.2f}M params "
+    print(f"fp8jax train: model {self.run_model.name}, level {self.level.name}, "
+          f"{n / 1e6:.2f}M params "
           f"({state_bytes:.2f} bytes/param of weights + optimizer state), {t.steps} steps, "
           f"data: {self.data.description}; logs: {os.path.abspath(self.run_dir)}")
 

@@ -135,7 +135,7 @@ def describe_conversion(report: ConvertReport | None) -> Sequence[str]:
   keeps (none when nothing was converted)."""
   if report is None:
     return ()
-  kept = ", ".join(e.path for e in report.kept) or "none"
+  kept = ", ".join(report.kept) or "none"
   return (f"converted {len(report.converted)} GEMM layers to FP8 ({report.level}); kept in "
           f"high precision: {kept}",)
 
