@@ -242,6 +242,24 @@ def model_shape(model_config):
       flops_per_position=per_position, remat=cfg.remat)
 
 
+def cmd_convert_hf(args) -> int:
+  from fp8jax.train.export import export_hf
+  step, files = export_hf(args.run_dir, args.out_dir, step=args.step, dtype=args.dtype,
+                          overwrite=args.overwrite)
+  print(f"fp8jax convert-hf: step {step} of {args.run_dir} written to {args.out_dir} "
+        f"({len(files)} files, {args.dtype})")
+  return 0
+
+
+def cmd_tokenizer_train(args) -> int:
+  from fp8jax.data import train_tokenizer
+  tokenizer = train_tokenizer(args.files or None, args.vocab_size, args.output,
+                              max_bytes=args.max_bytes)
+  print(f"fp8jax tokenizer train: {tokenizer.get_vocab_size()} ids written to {args.output} "
+        f"(use it with --set data.tokenizer={args.output})")
+  return 0
+
+
 def cmd_simulate(args) -> int:
   """Prints predicted step times of a mixed cluster, uniform vs balanced split."""
   from fp8jax.config import load_config
@@ -374,7 +392,29 @@ def build_parser() -> argparse.ArgumentParser:
   sim.add_argument("--profile", action="append", default=[], metavar="KIND=PATH",
                    help="measured profile JSON (`fp8jax profile`) for one kind (repeatable)")
   sim.set_defaults(func=cmd_simulate)
-  for command in (check, train, prof, launch, plot, sim):
+  conv = sub.add_parser("convert-hf", help="write a llama run's checkpoint as a Hugging Face "
+                        "checkpoint (config.json + safetensors); import one with "
+                        "model.init_from: hf:DIR")
+  conv.add_argument("run_dir", metavar="RUN_DIR")
+  conv.add_argument("out_dir", metavar="OUT_DIR")
+  conv.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+  conv.add_argument("--dtype", default="bfloat16", choices=("float32", "float16", "bfloat16"),
+                    help="tensor dtype written (default bfloat16)")
+  conv.add_argument("--overwrite", action="store_true", help="replace weights in OUT_DIR")
+  conv.set_defaults(func=cmd_convert_hf)
+  tok = sub.add_parser("tokenizer", help="tokenizers for text data (data.tokenizer)")
+  tok_sub = tok.add_subparsers(dest="tokenizer_command", required=True)
+  tok_train = tok_sub.add_parser("train", help="train a byte-level BPE tokenizer on text files "
+                                 "(default: the built-in stdlib corpus)")
+  tok_train.add_argument("files", nargs="*", metavar="FILE",
+                         help="text files, folders or globs (default: the stdlib corpus)")
+  tok_train.add_argument("--vocab-size", type=int, default=4096, help="ids (default 4096)")
+  tok_train.add_argument("-o", "--output", default="tokenizer.json",
+                         help="tokenizer.json path (default: tokenizer.json)")
+  tok_train.add_argument("--max-bytes", type=int, default=4 << 20,
+                         help="text bytes read at most (default 4 MiB)")
+  tok_train.set_defaults(func=cmd_tokenizer_train)
+  for command in (check, train, prof, launch, plot, sim, conv, tok, tok_train):
     _add_debug(command, top=False)
   return parser
 
