@@ -688,10 +688,9 @@ class Config(_Section):
             "(the balanced step replicates the weights in each group); drop one of them")
 
   def grad_comm(self) -> str:
-    """How the run reduces gradients: "fp8" or "native". "auto" is "native": the FP8 step
-    holds the whole gathered model for the step and measured 3% slower than native with 1.7x
-    the peak memory on 2 x H200 at 1.3B, ZeRO-3 (benchmarks/zero_gpu.py --levels
-    O0,O3,O3:fp8, before its weights were gathered in FP8)."""
+    """How the run reduces gradients: "fp8" or "native". "auto" resolves to "native" (the
+    faster of the two where measured: benchmarks/README.md, ZeRO and FP8 gradient
+    communication)."""
     return "fp8" if self.parallel.grad_comm == "fp8" else "native"
 
   def grad_comm_growth_interval(self) -> int:

@@ -55,8 +55,7 @@ class Recipe:
       is exact in binary floating point.
     bwd_fast_accumulation: let the backward FP8 GEMMs accumulate in the tensor cores'
       reduced precision too (forward GEMMs always do). Off by default: input and weight
-      gradients then accumulate in exact f32 (about 6% slower on an MLP block, see
-      benchmarks/RESULTS.md).
+      gradients then accumulate in exact f32.
     fused_cast_transpose: cast activations and output gradients with one fused Pallas
       (Triton) pass that also writes the transposed FP8 copy and the amax
       (:mod:`fp8jax.kernels.cast_transpose`); the weight-gradient GEMM then reads both
