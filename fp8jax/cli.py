@@ -223,22 +223,26 @@ def _stages(text: str) -> list[int]:
 
 
 def model_shape(model_config):
-  """The :class:`fp8jax.parallel.cost_model.ModelShape` of a gpt ``ModelConfig`` or of a
-  config's model section (same fields)."""
-  import dataclasses
-  from fp8jax.models.gpt import ModelConfig, flops_per_token, matmul_param_count
+  """The :class:`fp8jax.parallel.cost_model.ModelShape` of a built-in family's config
+  (``ModelConfig``, ``LlamaConfig``) or of a config's model section."""
+  from fp8jax.models.family import family_of
   from fp8jax.parallel.cost_model import ModelShape
-  cfg = model_config if isinstance(model_config, ModelConfig) else \
-      ModelConfig(**dataclasses.asdict(model_config))
+  cfg = model_config
+  if hasattr(cfg, "model_config"):  # a config's model section
+    cfg = model_config.model_config()
+    if cfg is None:
+      raise UsageError("simulate models the built-in families (model.family gpt or llama); "
+                       f"this config's model comes from model.builder={model_config.builder!r}")
+  fam = family_of(cfg)
   d, v = cfg.d_model, cfg.vocab_size
-  matmul = matmul_param_count(cfg)
+  matmul = fam.matmul_param_count(cfg)
   # flops_per_token is affine in seq_len: its slope and intercept from two lengths
-  per_position = flops_per_token(cfg, 2) - flops_per_token(cfg, 1)
+  per_position = fam.flops_per_token(cfg, 2) - fam.flops_per_token(cfg, 1)
   return ModelShape(
       n_layers=cfg.n_layers, d_model=d, d_ff=cfg.d_ff, vocab_size=v,
       kernel_params=matmul - (d * v if cfg.tie_embeddings else 0),
       other_params=v * d + cfg.n_layers * 2 * d + d,  # embedding (a lookup) and norms
-      matmul_params=matmul, flops_per_token_fixed=flops_per_token(cfg, 1) - per_position,
+      matmul_params=matmul, flops_per_token_fixed=fam.flops_per_token(cfg, 1) - per_position,
       flops_per_position=per_position, remat=cfg.remat)
 
 
