@@ -116,8 +116,9 @@ def _choose_policy(config, attention_impl: str, reports) -> tuple[str, str]:
 
 def choose_auto(config, devices: Sequence[DeviceReport] | None = None) -> AutoChoice:
   """The values of `config`'s "auto" model settings on `devices` (one
-  :class:`fp8jax.hardware.DeviceReport` per process; None: this run's, see
-  :func:`run_reports`). Every process gets the same choice from the same reports.
+  :class:`fp8jax.hardware.DeviceReport` per process; None: this run's, gathered from every
+  process by :func:`run_reports`, so all processes call it). Every process gets the same
+  choice from the same reports.
 
   * attention_impl: "cudnn" where every process's devices run cuDNN flash attention for the
     model's shape and dtype (``fp8jax.models.layers.cudnn_attention_reason``), else "xla".
@@ -130,10 +131,12 @@ def choose_auto(config, devices: Sequence[DeviceReport] | None = None) -> AutoCh
   """
   m = config.model
   auto = [name for name in AUTO_FIELDS if getattr(m, name) == AUTO]
-  if not auto:
-    return AutoChoice({}, {})
   reports = run_reports(devices)
   gpu = all(r.platform == "gpu" for r in reports)
+  line = xla_env.applied_line() if gpu else None
+  notes = (line,) if line else ()
+  if not auto:
+    return AutoChoice({}, {}, notes)
   where = ", ".join(sorted({r.device_kind for r in reports}))
   values, reasons = {}, {}
   attention = m.attention_impl
@@ -150,18 +153,16 @@ def choose_auto(config, devices: Sequence[DeviceReport] | None = None) -> AutoCh
     values["remat_policy"], reasons["remat_policy"] = policy, why
   if m.scan_layers == AUTO:
     if not gpu:
-      unroll, why = False, f"on {where}"
+      scan, why = True, f"on {where}"
     elif m.n_layers > UNROLL_MAX_LAYERS:
-      unroll, why = False, f"{m.n_layers} layers > {UNROLL_MAX_LAYERS}: compile time"
+      scan, why = True, f"{m.n_layers} layers > {UNROLL_MAX_LAYERS}: compile time"
     elif m.remat and policy == "full":
-      unroll, why = False, "full remat runs faster scanned"
+      scan, why = True, "full remat runs faster scanned"
     else:
-      unroll = True
+      scan = False
       why = "unrolled: remat is off" if not m.remat else f"unrolled: remat policy {policy}"
-    values["scan_layers"], reasons["scan_layers"] = not unroll, why
-  line = xla_env.applied_line() if gpu else None
-  return AutoChoice({k: values[k] for k in auto}, {k: reasons[k] for k in auto},
-                    (line,) if line else ())
+    values["scan_layers"], reasons["scan_layers"] = scan, why
+  return AutoChoice({k: values[k] for k in auto}, {k: reasons[k] for k in auto}, notes)
 
 
 def resolve_auto(config, devices: Sequence[DeviceReport] | None = None):

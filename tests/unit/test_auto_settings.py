@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 
+from fp8jax import xla_env
 from fp8jax.config import Config, load_config
 from fp8jax.hardware import DeviceReport, cudnn_attention_head_dim
 from fp8jax.models.gpt import ModelConfig
@@ -123,12 +124,18 @@ def test_scan_layers_auto():
                            [big]).settings["scan_layers"] is False
 
 
-def test_pinned_settings_are_kept():
+def test_pinned_settings_are_kept(monkeypatch):
   cfg = _gpt_1_3b("model.attention_impl=xla", "model.remat_policy=save_gemm_outputs",
                   "model.scan_layers=true")
+  monkeypatch.setattr(xla_env, "_APPLIED", ())
   choice = build.choose_auto(cfg, [H200])
   assert choice.settings == {} and choice.lines() == []
   assert build.resolve_auto(cfg, [H200]) is cfg
+  # on GPUs the start log also names the XLA flags fp8jax set, pinned settings or not
+  monkeypatch.setattr(xla_env, "_APPLIED", ("--xla_gpu_enable_triton_gemm=false",))
+  line, = build.choose_auto(cfg, [H200]).lines()
+  assert line.startswith("XLA_FLAGS += --xla_gpu_enable_triton_gemm=false")
+  assert build.choose_auto(cfg, [CPU]).lines() == []
 
 
 def test_every_process_gets_one_choice():
