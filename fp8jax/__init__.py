@@ -7,6 +7,11 @@ Submodules: ``fp8jax.linen`` (Flax linen layers), ``fp8jax.nnx`` (Flax NNX layer
 ``fp8jax.optim`` (FP8/FP16-state optax optimizers, FP16 master weights), ``fp8jax.models``
 (reference decoder), ``fp8jax.train`` (train step and Trainer).
 """
+# Before anything can start an XLA backend: XLA reads XLA_FLAGS once, when it starts.
+from fp8jax.xla_env import apply_xla_defaults as _apply_xla_defaults
+
+_apply_xla_defaults()
+
 from fp8jax.recipe import E4M3, E5M2, LEVELS, O0, O1, O2, O3, OptLevel, Recipe, opt_level
 from fp8jax.scaling import Fp8Meta, combine_max, dequantize, init_meta, quantize
 from fp8jax.dot import (Fp8DotMeta, fp8_dot_general, fp8_dot_general_chained, init_dot_meta,

@@ -10,6 +10,8 @@
   Blackwell). :func:`local_report` describes this process's devices as a
   :class:`DeviceReport`; :func:`device_reason` says why a report's devices cannot run FP8
   GEMMs (None: they can).
+* cuDNN flash attention: :func:`cudnn_attention_head_dim` (the largest head dim it takes on a
+  report's devices; None: it does not run there).
 * This process's FP8 GEMM decision: :func:`native_fp8_reason` (read by every FP8 GEMM at
   trace time). By default GEMMs are native only when every device of the run supports them;
   :func:`install_plan` replaces that with a :class:`CapabilityPlan` agreed by all processes
@@ -138,6 +140,33 @@ def fp8_native(kind: str) -> bool:
   if name is None:
     raise ValueError(f"unknown GPU kind {kind!r}; known kinds: {sorted(PEAK_FLOPS)}")
   return _chip(name)[1] is not None
+
+
+# ----------------------------------------------------------------------------- cuDNN attention
+
+# cuDNN flash attention (jax.nn.dot_product_attention(implementation="cudnn"), bf16/fp16):
+# CUDA compute capability >= 8.0, head dim at most 128, 256 from 9.0 (a multiple of 8).
+CUDNN_ATTENTION_HEAD_DIM = ((8, 0), 128), ((9, 0), 256)
+
+
+def cuda_capability(report: "DeviceReport") -> tuple[int, int] | None:
+  """(major, minor) of a CUDA GPU's compute capability ("9.0" -> (9, 0)); None for other
+  devices (CPUs, or GPUs reporting none or another format)."""
+  match = re.fullmatch(r"\s*(\d+)\.(\d+)\s*", str(report.compute_capability or ""))
+  if report.platform != "gpu" or match is None:
+    return None
+  return int(match.group(1)), int(match.group(2))
+
+
+def cudnn_attention_head_dim(report: "DeviceReport") -> int | None:
+  """The largest head dim cuDNN flash attention takes on `report`'s devices; None where it
+  does not run (not a CUDA GPU, or compute capability < 8.0)."""
+  cc = cuda_capability(report)
+  best = None
+  for min_cc, head_dim in CUDNN_ATTENTION_HEAD_DIM:
+    if cc is not None and cc >= min_cc:
+      best = head_dim
+  return best
 
 
 # ----------------------------------------------------------------------------- FP8 capability

@@ -10,7 +10,8 @@ peak memory is that run's alone) on the same config, data and batch: two warm-up
 (compilation; the Trainer's first step runs its uncalibrated FP8 model, see fp8.calibrate),
 then ``--steps`` steps timed with the host clock around a blocking step (median). ``--set``
 overrides apply to every run. Prints tokens/s, the ratio to the first run, MFU (against the
-FP8 peak for FP8 levels, BF16 for O0), peak device memory and compile time.
+FP8 peak for FP8 levels, BF16 for O0), peak device memory, compile time and the model settings
+the Trainer chose for "auto" (``fp8jax.train.build.choose_auto``).
 """
 from __future__ import annotations
 
@@ -52,7 +53,8 @@ def time_one(config_path: str, level: str, overrides: list[str], steps: int) -> 
   tps = tokens / float(np.median(times))
   return {"ms": 1e3 * float(np.median(times)), "tokens_per_s": tps, "compile_s": compile_s,
           "mfu": metrics_lib.mfu(trainer.flops_per_token, tps, trainer.fp8_peak),
-          "loss": float(m["loss"]), "batch": int(batch.shape[0]), **metrics_lib.memory_in_use()}
+          "loss": float(m["loss"]), "batch": int(batch.shape[0]),
+          "auto": " ".join(trainer.auto.lines()), **metrics_lib.memory_in_use()}
 
 
 def parse_run(text: str) -> tuple[str, str, list[str]]:
@@ -92,7 +94,8 @@ def main():
     rows.append({"label": label, **json.loads(line[7:])})
     r = rows[-1]
     print(f"{label}: {r['ms']:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s, "
-          f"compile {r['compile_s']:.0f} s", flush=True)
+          f"compile {r['compile_s']:.0f} s" + (f"; {r['auto']}" if r["auto"] else ""),
+          flush=True)
   if not rows:
     return
   base = rows[0]["tokens_per_s"]

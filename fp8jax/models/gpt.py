@@ -68,13 +68,16 @@ class ModelConfig:
       "save_gemm_io" also keeps every projection's input as the weight gradient reads it: its
       FP8 cast with a recipe (3D + F bytes per token and layer), the bf16 input without one
       (2 * (3D + F) bytes), so the recomputation casts no activation to FP8 again (it runs
-      only the norms, RoPE and the activation their backward passes need).
+      only the norms, RoPE and the activation their backward passes need). "auto" (default):
+      chosen with scan_layers by ``fp8jax.train.build.resolve_auto`` (the Trainer) from the
+      device's memory; a model given "auto" unresolved runs "full".
     scan_layers: True runs the layers under ``nn.scan``; False unrolls them over layer slices
       of the same stacked variables (same parameters), so the residuals the backward keeps
       are separate buffers rather than slices of stacked ones (no zero-fill, no device copy
       per residual and layer); longer compiles. Applies where no collection is written
       (initialization and FP8-health probes keep the scan); dropout masks differ from the
-      scan's.
+      scan's. "auto" (default): chosen by ``fp8jax.train.build.resolve_auto``; a model given
+      "auto" unresolved scans.
     remat_save_fp8_weights: with remat, keep each FP8 GEMM's weight cast from the forward
       (1 byte per weight, all layers) instead of casting the weights again in the
       recomputation (``fp8jax.dot.SAVE_FP8_WEIGHTS``); bit-identical results. No effect
@@ -89,7 +92,9 @@ class ModelConfig:
     tie_embeddings: the LM head reuses the embedding matrix (then it is a BF16 GEMM).
     rope_theta: RoPE frequency base.
     dropout_rate: dropout on embeddings and residual branches (training only).
-    attention_impl: ``jax.nn.dot_product_attention`` implementation, "xla" or "cudnn".
+    attention_impl: ``jax.nn.dot_product_attention`` implementation, "xla" or "cudnn";
+      "auto" (default): cuDNN flash attention where it runs this shape and dtype on the
+      device, else XLA's (:func:`fp8jax.models.layers.attention_impl_for`).
   """
 
   vocab_size: int = 256
@@ -101,8 +106,8 @@ class ModelConfig:
   mlp: str = "gelu"
   norm: str = "rmsnorm"
   remat: bool = False
-  remat_policy: str = "full"
-  scan_layers: bool = True
+  remat_policy: str = "auto"
+  scan_layers: bool | str = "auto"
   remat_save_fp8_weights: bool = True
   fuse_gelu_into_fp8_cast: bool = False
   dtype: str = "bfloat16"
@@ -110,7 +115,7 @@ class ModelConfig:
   tie_embeddings: bool = False
   rope_theta: float = 10000.0
   dropout_rate: float = 0.0
-  attention_impl: str = "xla"
+  attention_impl: str = "auto"
 
   def __post_init__(self):
     for name in _POSITIVE:
@@ -129,8 +134,9 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.fuse_gelu_into_fp8_cast=True needs mlp='gelu', got "
                        f"mlp={self.mlp!r} (SwiGLU is not fused yet)")
     for name in ("remat", "remat_save_fp8_weights", "tie_embeddings",
-                 "fuse_gelu_into_fp8_cast", "scan_layers"):
+                 "fuse_gelu_into_fp8_cast"):
       layers.check_bool("ModelConfig", name, getattr(self, name))
+    layers.check_scan_layers("ModelConfig", self.scan_layers)
     layers.check_float("ModelConfig", "rope_theta", self.rope_theta, lambda v: v > 1,
                        "a number > 1")
     layers.check_float("ModelConfig", "dropout_rate", self.dropout_rate,

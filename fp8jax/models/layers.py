@@ -11,7 +11,10 @@ A family's config is a frozen dataclass with (as fields or properties): vocab_si
 n_layers, n_heads, n_kv_heads (dividing n_heads), head_dim, d_ff, max_seq_len, mlp ("gelu" |
 "swiglu"), norm ("rmsnorm" | "layernorm"), norm_eps, remat, remat_policy,
 remat_save_fp8_weights, scan_layers, fuse_gelu_into_fp8_cast, dtype, param_dtype,
-tie_embeddings, dropout_rate, attention_impl.
+tie_embeddings, dropout_rate, attention_impl. attention_impl, remat_policy and scan_layers
+may be "auto": the attention then resolves for this process's device when traced
+(:func:`attention_impl_for`), the remat policy runs "full" and the layers the scan, unless
+``fp8jax.train.build.resolve_auto`` resolved them for a run first.
 
 Parameter tree (L layers stacked on a leading axis; G = n_heads / n_kv_heads): ``embed``
 {embedding [V, D]}, ``layers`` {``norm_attn``, ``attn`` {``qkv`` kernel [L, D, n_kv_heads, G + 2,
@@ -38,13 +41,16 @@ from jax.ad_checkpoint import checkpoint_name
 
 from fp8jax import FP8_COLLECTION, Recipe
 from fp8jax.dot import INPUT_CAST_NAME, WEIGHT_CAST_NAME
+from fp8jax.hardware import DeviceReport, cudnn_attention_head_dim, local_report
 from fp8jax.linen import (HEALTH_COLLECTION, PERTURBATIONS, WEIGHT_CAST_COLLECTION,
                           Fp8DotGeneral)
 
 DTYPES = ("bfloat16", "float32", "float16")
 PARAM_DTYPES = ("float32", "bfloat16")
-ATTENTION_IMPLS = ("xla", "cudnn")
-REMAT_POLICIES = ("full", "save_gemm_outputs", "save_gemm_io")
+AUTO = "auto"
+ATTENTION_IMPLS = (AUTO, "xla", "cudnn")
+REMAT_POLICIES = (AUTO, "full", "save_gemm_outputs", "save_gemm_io")
+CUDNN_DTYPES = ("bfloat16", "float16")  # compute dtypes cuDNN flash attention takes
 # checkpoint_names that remat_policy="save_gemm_outputs" saves: every projection's output and
 # the attention's backward residuals (causal_attention_saving_residuals); "save_gemm_io" also
 # every projection's input: its FP8 cast (fp8jax.dot.INPUT_CAST_NAME) with a recipe, else the
@@ -88,6 +94,13 @@ def check_bool(owner: str, name: str, value: Any) -> None:
     raise ValueError(f"{owner}.{name}={value!r} is not allowed; use True or False")
 
 
+def check_scan_layers(owner: str, value: Any) -> None:
+  """Raises ValueError unless `value` is True, False or "auto"."""
+  if not (isinstance(value, (bool, np.bool_)) or value == AUTO):
+    raise ValueError(f"{owner}.scan_layers={value!r} is not allowed; use True, False or "
+                     f"{AUTO!r}")
+
+
 def check_tokens(tokens, cfg, owner: str) -> None:
   """Raises ValueError for tokens that are not int[B, T] with 1 <= T <= cfg.max_seq_len."""
   if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -96,6 +109,54 @@ def check_tokens(tokens, cfg, owner: str) -> None:
   if not 1 <= tokens.shape[1] <= cfg.max_seq_len:
     raise ValueError(f"{owner}: seq_len={tokens.shape[1]} is not allowed; use 1.."
                      f"{cfg.max_seq_len} ({type(cfg).__name__}.max_seq_len)")
+
+
+# ----------------------------------------------------------------------------- "auto" settings
+
+def cudnn_attention_reason(config, device: DeviceReport) -> str | None:
+  """None when cuDNN flash attention runs `config`'s causal attention on `device`
+  (:func:`fp8jax.hardware.cudnn_attention_head_dim`: a CUDA GPU of compute capability >= 8.0;
+  compute dtype bfloat16 or float16; head dim a multiple of 8 within the device's limit),
+  else why not."""
+  if device.platform != "gpu":
+    return f"no cuDNN on {device.platform}"
+  k_max = cudnn_attention_head_dim(device)
+  if k_max is None:
+    return (f"no cuDNN flash attention on {device.device_kind!r} (compute capability "
+            f"{device.compute_capability}; it needs a CUDA GPU of 8.0 or later)")
+  if config.dtype not in CUDNN_DTYPES:
+    return f"compute dtype {config.dtype} (cuDNN attention: {' or '.join(CUDNN_DTYPES)})"
+  k = config.head_dim
+  if k % 8 or k > k_max:
+    return f"head dim {k} (cuDNN attention: a multiple of 8, at most {k_max})"
+  return None
+
+
+@functools.cache
+def local_device() -> DeviceReport:
+  """This process's first local device, as a :class:`fp8jax.hardware.DeviceReport`."""
+  return local_report(jax.local_devices()[:1])
+
+
+def attention_impl_for(config, device: DeviceReport | None = None) -> str:
+  """`config`'s attention implementation: "xla" or "cudnn" as configured; for "auto",
+  "cudnn" where :func:`cudnn_attention_reason` finds none on `device` (default:
+  :func:`local_device`), else "xla"."""
+  if config.attention_impl != AUTO:
+    return config.attention_impl
+  device = local_device() if device is None else device
+  return "xla" if cudnn_attention_reason(config, device) else "cudnn"
+
+
+def remat_policy_name(config) -> str:
+  """`config`'s remat policy; "auto" left unresolved (``fp8jax.train.build.resolve_auto``
+  resolves it) is "full"."""
+  return "full" if config.remat_policy == AUTO else config.remat_policy
+
+
+def scans_layers(config) -> bool:
+  """Whether `config`'s layers run under ``nn.scan``; "auto" left unresolved is True."""
+  return config.scan_layers == AUTO or bool(config.scan_layers)
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -230,11 +291,11 @@ class Attention(nn.Module):
     k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     # Scores and softmax in f32 (activation x activation: no FP8), output in the compute dtype.
-    if cfg.remat and cfg.remat_policy != "full" and cfg.attention_impl == "cudnn":
-      o = saveable(causal_attention_saving_residuals(q, k, v, cfg.attention_impl))
+    impl = attention_impl_for(cfg)
+    if cfg.remat and remat_policy_name(cfg) != "full" and impl == "cudnn":
+      o = saveable(causal_attention_saving_residuals(q, k, v, impl))
     else:
-      o = jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                       implementation=cfg.attention_impl)
+      o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
     out_std = std / np.sqrt(2 * cfg.n_layers)
     return saveable(nn.DenseGeneral(cfg.d_model, axis=(-2, -1), name="out",
                                     **dense_kwargs(cfg, self.recipe, out_std))(
@@ -324,7 +385,7 @@ class Decoder(nn.Module):
     no collection is being written) unrolled over layer slices of the same stacked variables."""
     writing = self.is_initializing() or any(
         self.is_mutable_collection(c) for c in (HEALTH_COLLECTION, PERTURBATIONS))
-    if self.config.scan_layers or writing:
+    if scans_layers(self.config) or writing:
       return self._layers(deterministic)(x, rope)[0]
     return self._unrolled(x, rope, deterministic)
 
@@ -397,7 +458,7 @@ unstack_layers.defvjp(_unstack_fwd, _unstack_bwd)
 def remat_policy(config):
   """The ``jax.checkpoint`` policy of `config`'s remat: the names it saves (None: nothing)."""
   names = ((WEIGHT_CAST_NAME,) if config.remat_save_fp8_weights else ()) + \
-      _SAVED_NAMES[config.remat_policy]
+      _SAVED_NAMES[remat_policy_name(config)]
   return jax.checkpoint_policies.save_only_these_names(*names) if names else None
 
 

@@ -139,13 +139,13 @@ class LlamaConfig:
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
   remat: bool = False
-  remat_policy: str = "full"
-  scan_layers: bool = True
+  remat_policy: str = "auto"
+  scan_layers: bool | str = "auto"
   remat_save_fp8_weights: bool = True
   dtype: str = "bfloat16"
   param_dtype: str = "float32"
   dropout_rate: float = 0.0
-  attention_impl: str = "xla"
+  attention_impl: str = "auto"
 
   def __post_init__(self):
     owner = "LlamaConfig"
@@ -164,8 +164,9 @@ class LlamaConfig:
                           ("attention_impl", ATTENTION_IMPLS),
                           ("remat_policy", REMAT_POLICIES)):
       layers.check_choice(owner, name, getattr(self, name), allowed)
-    for name in ("remat", "remat_save_fp8_weights", "tie_embeddings", "scan_layers"):
+    for name in ("remat", "remat_save_fp8_weights", "tie_embeddings"):
       layers.check_bool(owner, name, getattr(self, name))
+    layers.check_scan_layers(owner, self.scan_layers)
     layers.check_float(owner, "rope_theta", self.rope_theta, lambda v: v > 1, "a number > 1")
     layers.check_float(owner, "norm_eps", self.norm_eps, lambda v: 0 < v < 1,
                        "a number in (0, 1)")

@@ -1,22 +1,175 @@
-"""A run's pieces from its :class:`fp8jax.config.Config`: model, optimizer, mesh, ZeRO plan,
-the fused update, and the step of each microbatch count (one place for all users: the
-Trainer, the device profiler, benchmarks)."""
+"""A run's pieces from its :class:`fp8jax.config.Config`: the "auto" model settings resolved
+for the devices (:func:`resolve_auto`), model, optimizer, mesh, ZeRO plan, the fused update,
+and the step of each microbatch count (one place for all users: the Trainer, the device
+profiler, benchmarks)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 
-from fp8jax import linen, parallel
+from fp8jax import linen, parallel, xla_env
 from fp8jax.dot import native_fp8_reason
 from fp8jax.parallel.tensor import GPT_RULES
+from fp8jax.hardware import DeviceReport, gpu_spec
+from fp8jax.models.layers import AUTO, cudnn_attention_reason
+from fp8jax.parallel.capability import gather_reports
 from fp8jax.parallel.layout import group_count
 from fp8jax.parallel.zero import ZeroPlan
+from fp8jax.train.memory import GiB, step_bytes
 from fp8jax.train.optimizer import make_fused_update, make_optimizer, schedule_for
 from fp8jax.train.model import RunModel
 from fp8jax.train.step import TrainStep, build_step
+
+AUTO_FIELDS = ("attention_impl", "remat_policy", "scan_layers")
+# Share of a device's memory (the allocator's limit) a step chosen by resolve_auto may fill.
+MEMORY_FRACTION = 0.9
+# XLA's default share of GPU memory for its allocator (XLA_PYTHON_CLIENT_MEM_FRACTION), for
+# GPUs that report no limit.
+CLIENT_MEMORY_FRACTION = 0.75
+# Unrolled layers compile about linearly longer (1.3B, 24 layers, O2: ~50 s vs 9 s scanned).
+UNROLL_MAX_LAYERS = 48
+
+
+class AutoChoice(NamedTuple):
+  """What :func:`choose_auto` gives a config's "auto" model settings, and why.
+
+  Attributes:
+    settings: {model field: value} for each field of :data:`AUTO_FIELDS` that was "auto".
+    reasons: {model field: why that value}, same keys.
+    notes: further lines for the run's start log (the XLA flags fp8jax set, on GPUs).
+  """
+
+  settings: dict[str, Any]
+  reasons: dict[str, str]
+  notes: tuple[str, ...] = ()
+
+  def apply(self, config):
+    """`config` with :attr:`settings` in its model section."""
+    if not self.settings:
+      return config
+    return dataclasses.replace(config, model=dataclasses.replace(config.model,
+                                                                 **self.settings))
+
+  def lines(self) -> list[str]:
+    """The run's start-log lines: one naming every chosen setting and why (none when nothing
+    was "auto"), then :attr:`notes`."""
+    chosen = "; ".join(f"model.{name}={value} ({self.reasons[name]})"
+                       for name, value in self.settings.items())
+    return ([f"auto settings: {chosen}"] if chosen else []) + list(self.notes)
+
+
+def run_reports(devices: Sequence[DeviceReport] | None = None) -> tuple[DeviceReport, ...]:
+  """`devices` (one report per process), or every process's report of its local devices
+  (``fp8jax.parallel.capability.gather_reports``: a collective when there are several
+  processes, so all of them call it)."""
+  if devices is None:
+    return gather_reports()
+  reports = tuple(devices)
+  if not reports or not all(isinstance(r, DeviceReport) for r in reports):
+    raise ValueError(f"devices={devices!r} is not allowed; use DeviceReports, one per process "
+                     "(fp8jax.hardware.local_report), or None for this run's devices")
+  return reports
+
+
+def _usable_bytes(report: DeviceReport) -> float | None:
+  """MEMORY_FRACTION of the memory one device of `report` lets the allocator use (XLA's
+  default share of the kind's memory where the runtime reports none); None if unknown."""
+  memory = report.memory_bytes
+  if memory is None:
+    try:
+      memory = gpu_spec(report.device_kind).hbm_bytes * CLIENT_MEMORY_FRACTION
+    except ValueError:
+      return None
+  return MEMORY_FRACTION * memory
+
+
+def _policy_candidates(config) -> tuple[str, ...]:
+  """Remat policies from least to most recomputation: saving the FP8 input casts pays at
+  levels with FP8 GEMMs; at O0 saving the bf16 inputs did not (benchmarks/RESULTS.md)."""
+  if config.level().fp8_gemms:
+    return ("save_gemm_io", "save_gemm_outputs", "full")
+  return ("save_gemm_outputs", "full")
+
+
+def _choose_policy(config, attention_impl: str, reports) -> tuple[str, str]:
+  """(remat policy, why) for a GPU run: the least recomputing policy whose estimated step
+  (``fp8jax.train.memory.step_bytes``) fits the smallest device's usable memory."""
+  if not config.model.remat:
+    return "full", "remat is off: no policy applies"
+  usable = [_usable_bytes(r) for r in reports]
+  if any(u is None for u in usable):
+    return "full", "device memory unknown"
+  usable_min = min(usable)
+  devices = _run_device_count(config, reports)
+  estimate = 0.0
+  for policy in _policy_candidates(config):
+    estimate = step_bytes(config, policy, attention_impl, devices)
+    if estimate <= usable_min:
+      return policy, (f"estimated {estimate / GiB:.1f} GiB per device of "
+                      f"{usable_min / GiB:.1f} GiB usable")
+  return "full", (f"estimated {estimate / GiB:.1f} GiB per device even with full remat, "
+                  f"{usable_min / GiB:.1f} GiB usable")
+
+
+def choose_auto(config, devices: Sequence[DeviceReport] | None = None) -> AutoChoice:
+  """The values of `config`'s "auto" model settings on `devices` (one
+  :class:`fp8jax.hardware.DeviceReport` per process; None: this run's, gathered from every
+  process by :func:`run_reports`, so all processes call it). Every process gets the same
+  choice from the same reports.
+
+  * attention_impl: "cudnn" where every process's devices run cuDNN flash attention for the
+    model's shape and dtype (``fp8jax.models.layers.cudnn_attention_reason``), else "xla".
+  * remat_policy: on GPUs with remat on, the first of save_gemm_io (levels with FP8 GEMMs),
+    save_gemm_outputs, full whose estimated step memory (``fp8jax.train.memory``) fits
+    :data:`MEMORY_FRACTION` of the smallest device memory; "full" elsewhere.
+  * scan_layers: on GPUs, False (unrolled) for at most :data:`UNROLL_MAX_LAYERS` layers when
+    remat is off or keeps more than the layer inputs (unrolled layers with full remat ran
+    slower than the scan); True elsewhere.
+  """
+  m = config.model
+  auto = [name for name in AUTO_FIELDS if getattr(m, name) == AUTO]
+  reports = run_reports(devices)
+  gpu = all(r.platform == "gpu" for r in reports)
+  line = xla_env.applied_line() if gpu else None
+  notes = (line,) if line else ()
+  model_config = m.model_config()  # the family's (with init_from: the checkpoint's shape)
+  if not auto or model_config is None:  # (a builder's module has no such settings)
+    return AutoChoice({}, {}, notes)
+  where = ", ".join(sorted({r.device_kind for r in reports}))
+  values, reasons = {}, {}
+  attention = m.attention_impl
+  if attention == AUTO:
+    why_not = [w for w in (cudnn_attention_reason(model_config, r) for r in reports) if w]
+    attention = "xla" if why_not else "cudnn"
+    values["attention_impl"] = attention
+    reasons["attention_impl"] = why_not[0] if why_not else f"cuDNN flash attention on {where}"
+  policy = m.remat_policy
+  if policy == AUTO:
+    policy, why = _choose_policy(config, attention, reports) if gpu else \
+        ("full", f"on {where}")
+    values["remat_policy"], reasons["remat_policy"] = policy, why
+  if m.scan_layers == AUTO:
+    if not gpu:
+      scan, why = True, f"on {where}"
+    elif model_config.n_layers > UNROLL_MAX_LAYERS:
+      scan, why = True, f"{model_config.n_layers} layers > {UNROLL_MAX_LAYERS}: compile time"
+    elif m.remat and policy == "full":
+      scan, why = True, "full remat runs faster scanned"
+    else:
+      scan = False
+      why = "unrolled: remat is off" if not m.remat else f"unrolled: remat policy {policy}"
+    values["scan_layers"], reasons["scan_layers"] = scan, why
+  return AutoChoice({k: values[k] for k in auto}, {k: reasons[k] for k in auto}, notes)
+
+
+def resolve_auto(config, devices: Sequence[DeviceReport] | None = None):
+  """`config` with its "auto" model settings replaced by :func:`choose_auto`'s values for
+  `devices` (None: this run's devices); a config without "auto" comes back unchanged."""
+  return choose_auto(config, devices).apply(config)
 
 
 def run_model(config) -> RunModel:
@@ -56,15 +209,25 @@ def weight_cast_fn(config, model, microbatches: int) -> Callable | None:
                            dtype=jnp.dtype(model.config.dtype))
 
 
+def _alone(config, processes: int) -> bool:
+  """Whether a run of `config` over `processes` processes uses one device (see
+  :func:`run_devices`)."""
+  p = config.parallel
+  return (config.zero_stage() == 0 and processes == 1 and p.device_map is None
+          and p.data_parallel_size in (-1, 1) and p.fsdp_size == 1
+          and p.tensor_parallel_size == 1 and config.grad_comm() == "native")
+
+
+def _run_device_count(config, reports: Sequence[DeviceReport]) -> int:
+  """How many devices a run of `config` spans on the processes of `reports`."""
+  return 1 if _alone(config, len(reports)) else sum(r.device_count for r in reports)
+
+
 def run_devices(config) -> list | None:
   """The devices a run's mesh spans: one (the first) for a single-process run that asks for
   no parallelism (ZeRO stage 0, no sizes set, no device_map, native gradient communication),
   else None: every process's devices."""
-  p = config.parallel
-  alone = (config.zero_stage() == 0 and jax.process_count() == 1 and p.device_map is None
-           and p.data_parallel_size in (-1, 1) and p.fsdp_size == 1
-           and p.tensor_parallel_size == 1 and config.grad_comm() == "native")
-  return jax.devices()[:1] if alone else None
+  return jax.devices()[:1] if _alone(config, jax.process_count()) else None
 
 
 def zero_plan(config, abstract_state, tensor_rules: Sequence = GPT_RULES) -> ZeroPlan:

@@ -1,7 +1,8 @@
 """The Trainer: a config -> model, data, optimizer and sharded state -> steps with validation,
 logs, checkpoints and guards.
 
-Setup (``Trainer.__init__``): the config's model and optimizer (``fp8jax.train.build``), the
+Setup (``Trainer.__init__``): the config's "auto" model settings resolved for the devices
+(``build.choose_auto``), the config's model and optimizer (``fp8jax.train.build``), the
 agreed FP8 capability of every process, the abstract state (``jax.eval_shape``), its ZeRO plan
 on the config's mesh (one device is a mesh of one), then the state initialised straight into
 its shardings. Every step, whatever the layout, comes from ``build.StepCache`` (one builder:
@@ -47,6 +48,8 @@ class Trainer:
   run in the run folder instead of refusing to mix with it (``resume.claim_run_dir``)."""
 
   def __init__(self, config: Config, progress: bool = True, overwrite: bool = False):
+    self.auto = build.choose_auto(config)  # "auto" model settings for these devices
+    config = self.auto.apply(config)
     self.config, self.progress, self.overwrite = config, progress, overwrite
     t, d = config.train, config.data
     self.level = config.level()
@@ -213,7 +216,7 @@ class Trainer:
     if jax.process_count() > 1:
       print(f"fp8jax train: process {jax.process_index()} of {jax.process_count()}")
     if primary:
-      for line in (self.capability.lines() + self.config.notices()
+      for line in (self.capability.lines() + self.auto.lines() + self.config.notices()
                    + list(describe_conversion(self.run_model.convert_report))):
         print(f"fp8jax train: {line}")
       if self.group_seconds is not None:

@@ -14,7 +14,7 @@ import numpy as np
 
 from fp8jax.hardware import local_report
 from fp8jax.parallel.profile import FORMAT, validate
-from fp8jax.train.build import calibration_on, model_and_optimizer
+from fp8jax.train.build import calibration_on, model_and_optimizer, resolve_auto
 from fp8jax.train.calibration import calibrated
 from fp8jax.train.guards import skip_nonfinite_steps
 from fp8jax.train.state import init_state
@@ -49,6 +49,7 @@ def measure(config, sizes: Sequence[int], steps: int = 5,
             memory_limit_bytes: int | None = None, device=None) -> dict:
   """Profiles `config`'s model and level on one device: one train step of one microbatch
   per size in `sizes` (sequences); sizes above the first that does not fit are not tried.
+  "auto" model settings are resolved for `device` (``fp8jax.train.build.resolve_auto``).
 
   Returns the profile dict (format: :mod:`fp8jax.parallel.profile`).
   """
@@ -58,6 +59,7 @@ def measure(config, sizes: Sequence[int], steps: int = 5,
   device = device or jax.local_devices()[0]
   report = local_report([device])
   limit = memory_limit_bytes or report.memory_bytes
+  config = resolve_auto(config, [report._replace(memory_bytes=limit)])  # as the Trainer would
   level, t, d = config.level(), config.train, config.data
   model, _, tx = model_and_optimizer(config)
   points = []

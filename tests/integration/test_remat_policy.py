@@ -48,7 +48,8 @@ def test_saved_gemm_outputs_skip_the_recomputed_gemms(key, level, mlp, saving):
 
 def test_bad_remat_policy_is_refused():
   with pytest.raises(ValueError, match=r"ModelConfig.remat_policy='dots' is not allowed; use "
-                                       r"one of \['full', 'save_gemm_outputs', 'save_gemm_io'\]"):
+                                       r"one of \['auto', 'full', 'save_gemm_outputs', "
+                                       r"'save_gemm_io'\]"):
     CFG.replace(remat_policy="dots")
   with pytest.raises(ValueError, match=r"model.remat_policy='none' is not allowed"):
     load_config("configs/tiny.yaml", ["model.remat_policy=none"])

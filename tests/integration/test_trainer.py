@@ -51,6 +51,11 @@ def test_cli_train_writes_logs_and_plot(tmp_path, capsys):
   steps = [r["step"] for r in records if "loss" in r]
   assert steps == [2, 4] and all(np.isfinite(r["loss"]) for r in records if "loss" in r)
   assert (run_dir / "config.yaml").exists()
+  # the "auto" model settings, resolved for this CPU, said at the start and saved as run
+  assert ("fp8jax train: auto settings: model.attention_impl=xla (no cuDNN on cpu); "
+          "model.remat_policy=full (on cpu); model.scan_layers=True (on cpu)") in out
+  saved = load_config(str(run_dir / "config.yaml")).model
+  assert (saved.attention_impl, saved.remat_policy, saved.scan_layers) == ("xla", "full", True)
   png = tmp_path / "runs.png"
   assert cli.main(["plot", str(run_dir), "-o", str(png)]) == 0
   assert png.stat().st_size > 10_000

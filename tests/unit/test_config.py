@@ -153,7 +153,7 @@ def test_fp8_section_is_recipe():
     ("model.n_layers=0", "model.n_layers=0 is not allowed; use an integer >= 1"),
     ("model.rope_theta=1", "model.rope_theta=1.0 is not allowed; use a number > 1"),
     ("model.attention_impl=flash", "model.attention_impl='flash' is not allowed; use one of "
-                                   "['xla', 'cudnn']"),
+                                   "['auto', 'xla', 'cudnn']"),
     ("model.dtype=float16", "model.dtype='float16' is not allowed; use one of ['bfloat16', "),
     ("fp8.fwd_format=e5m2", "fp8.fwd_format='e5m2' is not allowed; use one of 'e4m3'"),
     ("fp8.amax_compute_algo=mean", "fp8.amax_compute_algo='mean' is not allowed; use one of "),
