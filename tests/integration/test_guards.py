@@ -60,9 +60,10 @@ def test_trainer_skips_nan_steps_reloads_after_k_and_falls_back_to_bf16(tmp_path
     b = plain_next(step)
     return _poison(b, vocab) if step in (2, 3) else b
 
-  def bf16_loss(state, batch):
-    checks.append(int(state.step))
-    return plain_bf16(state, batch) * (1.05 if int(state.step) >= 6 else 1.0)
+  def bf16_loss(params, batch):  # called before the step: the state holds the steps done
+    step = int(trainer.state.step)
+    checks.append(step)
+    return plain_bf16(params, batch) * (1.05 if step >= 6 else 1.0)
 
   trainer.next_batch, trainer._bf16_loss = next_batch, bf16_loss
   with caplog.at_level("WARNING", logger="fp8jax"):
