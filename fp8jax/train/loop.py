@@ -16,6 +16,7 @@ import os
 import time
 from typing import Any
 
+import flax.linen as nn
 import jax
 import numpy as np
 
@@ -98,7 +99,8 @@ class Trainer:
         self.config, self.tx, self.plan, self._fused_update,
         self.balanced_counts if self.group_seconds is not None else None)
     self._eval = jax.jit(make_eval_step(self.calibration.model.apply))
-    self._health = self._health_probe() if recipe is not None else None
+    linen = isinstance(first, nn.Module)  # (the probe reads linen collections)
+    self._health = self._health_probe() if recipe is not None and linen else None
 
   @property
   def model(self):

@@ -2,10 +2,12 @@
 the LLaMA family started from a Hugging Face checkpoint (``init_from: hf:DIR``), or a user's
 Flax linen module (``builder: "package.module:function"``, called with ``builder_args``).
 
-A builder returns an ``nn.Module`` (written with plain ``nn.Dense`` / ``nn.DenseGeneral`` /
-``nn.Einsum``; fp8jax converts it at the run's level with :func:`fp8jax.convert`) or a
-:class:`UserModel` that also gives its FLOPs per token, tensor-parallel rules and conversion
-rules. The module is applied as ``module.apply(variables, tokens int32[B, T]) -> logits
+A builder returns a linen ``nn.Module`` (written with plain ``nn.Dense`` /
+``nn.DenseGeneral`` / ``nn.Einsum``) or an NNX ``nnx.Module`` (``nnx.Linear`` /
+``nnx.Einsum``, built with its own ``nnx.Rngs``: its parameters are the run's initial ones),
+or a :class:`UserModel` that also gives its FLOPs per token, tensor-parallel rules and
+conversion rules; fp8jax converts it at the run's level with :func:`fp8jax.convert` (an NNX
+module through :class:`NnxModel`, applied the linen way). The module is applied as ``module.apply(variables, tokens int32[B, T]) -> logits
 [B, T, V]``. Without stated FLOPs they are counted from the forward's jaxpr
 (``fp8jax.models.flops``). A model without tensor rules still shards with ZeRO 1-3.
 """
@@ -18,6 +20,10 @@ from typing import Any, Callable, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
+
+from fp8jax.linen import FP8_COLLECTION
+from fp8jax.nnx import Fp8State
 
 from fp8jax.convert import ConvertReport, ConvertRules, convert
 from fp8jax.interop import hf
@@ -40,7 +46,7 @@ class UserModel:
       head).
   """
 
-  module: nn.Module
+  module: nn.Module | nnx.Module
   flops_per_token: float | None = None
   tensor_rules: tuple = ()
   convert_rules: ConvertRules | None = None
@@ -92,17 +98,17 @@ class RunModel:
     self.name, self.model_config, self._family = m.builder, None, None
     built = load_builder(m.builder)(**(m.builder_args or {}))
     user = built if isinstance(built, UserModel) else UserModel(built)
-    if not isinstance(user.module, nn.Module):
+    if not isinstance(user.module, (nn.Module, nnx.Module)):
       raise ValueError(f"model.builder={m.builder!r} returned {type(user.module).__name__}; "
-                       "return a flax.linen Module or an fp8jax.train.UserModel (NNX modules: "
-                       "wrap them with flax.nnx.bridge.to_linen)")
+                       "return a flax.linen or flax.nnx Module, or an fp8jax.train.UserModel")
     self._user = user
     self.tensor_rules = tuple(user.tensor_rules)
     self.flops_per_token = user.flops_per_token
     if self.flops_per_token is None:
-      variables = jax.eval_shape(lambda: user.module.init(jax.random.key(0), self._tokens))
-      self.flops_per_token = training_flops_per_token(
-          user.module.apply, variables, batch_size, seq_len)
+      plain = self.at(None)
+      variables = jax.eval_shape(lambda: plain.init(jax.random.key(0), self._tokens))
+      self.flops_per_token = training_flops_per_token(plain.apply, variables, batch_size,
+                                                      seq_len)
 
   def at(self, recipe: Recipe | None) -> nn.Module:
     """The model with FP8 GEMMs of `recipe` (None: BF16/high precision); one object per
@@ -110,14 +116,19 @@ class RunModel:
     if recipe not in self._cache:
       if self._family is not None:
         self._cache[recipe] = self._family.model(self.model_config, recipe)
+      elif isinstance(self._user.module, nnx.Module):
+        module = nnx.clone(self._user.module)  # converted in place: one copy per recipe
+        if recipe is not None:
+          module, report = convert(module, recipe, rules=self._user.convert_rules)
+          self.convert_report = self.convert_report or report
+        self._cache[recipe] = NnxModel(module)
       elif recipe is None:
         self._cache[recipe] = self._user.module
       else:
         module, report = convert(self._user.module, recipe, self._tokens,
                                  rules=self._user.convert_rules)
         self._cache[recipe] = module
-        if self.convert_report is None:
-          self.convert_report = report
+        self.convert_report = self.convert_report or report
     return self._cache[recipe]
 
   def pretrained_params(self, config) -> dict | None:
@@ -130,14 +141,44 @@ class RunModel:
     return params
 
 
+class NnxModel:
+  """An NNX module applied the linen way, as the train step applies models:
+  ``init(key, tokens) -> {"params": ..., FP8_COLLECTION: ...}`` (pure dicts of its
+  ``nnx.Param`` and ``fp8jax.nnx.Fp8State`` values: the module's own, the key is not used) and
+  ``apply(variables, tokens) -> logits``, a fresh module merged from `variables` per call (the
+  FP8 state's gradient is its update, as in ``fp8jax.nnx``). Other variables (RNG streams,
+  batch statistics) stay as the module holds them."""
+
+  def __init__(self, module: nnx.Module):
+    self.graphdef, self._params, self._fp8, self._rest = nnx.split(
+        module, nnx.Param, Fp8State, ...)
+
+  def init(self, rngs, tokens, **kwargs) -> dict:
+    out = {"params": nnx.to_pure_dict(self._params)}
+    fp8 = nnx.to_pure_dict(self._fp8)
+    if jax.tree.leaves(fp8):
+      out[FP8_COLLECTION] = fp8
+    return out
+
+  def apply(self, variables, tokens, **kwargs):
+    if kwargs:
+      raise ValueError(f"an NNX model is applied to tokens only, not {sorted(kwargs)}")
+    params = nnx.clone(self._params)
+    nnx.replace_by_pure_dict(params, variables["params"])
+    fp8 = nnx.clone(self._fp8)
+    if FP8_COLLECTION in variables:
+      nnx.replace_by_pure_dict(fp8, variables[FP8_COLLECTION])
+    return nnx.merge(self.graphdef, params, fp8, self._rest)(tokens)
+
+
 def describe_conversion(report: ConvertReport | None) -> Sequence[str]:
   """Lines for the run's start: how many GEMMs a builder's model runs in FP8 and which it
   keeps (none when nothing was converted)."""
   if report is None:
     return ()
   kept = ", ".join(report.kept) or "none"
-  return (f"converted {len(report.converted)} GEMM layers to FP8 ({report.level}); kept in "
-          f"high precision: {kept}",)
+  return (f"converted {len(report.converted)} GEMM layers to FP8; kept in high precision: "
+          f"{kept}",)
 
 
-__all__ = ["RunModel", "UserModel", "load_builder", "describe_conversion"]
+__all__ = ["NnxModel", "RunModel", "UserModel", "load_builder", "describe_conversion"]

@@ -1,6 +1,7 @@
 """A user's own Flax linen language model for ``model.builder`` tests: plain nn.Embed,
 nn.Dense, nn.DenseGeneral and nn.Einsum layers, nothing of fp8jax."""
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 
@@ -31,3 +32,24 @@ def tiny_lm(vocab: int = 256, width: int = 32, layers: int = 2):
 
 def tiny_lm_with_flops(**kwargs):
   return UserModel(tiny_lm(**kwargs), flops_per_token=1234.0)
+
+
+class TinyNnxLM(nnx.Module):
+  """The same kind of model in NNX: nnx.Embed, nnx.Linear, nnx.Einsum."""
+
+  def __init__(self, vocab: int = 256, width: int = 32, seed: int = 0):
+    rngs = nnx.Rngs(seed)
+    self.embed = nnx.Embed(vocab, width, rngs=rngs)
+    self.up = nnx.Linear(width, 2 * width, rngs=rngs)
+    self.mix = nnx.Einsum("btf,fd->btd", (2 * width, width), rngs=rngs)
+    self.norm = nnx.LayerNorm(width, rngs=rngs)
+    self.head = nnx.Linear(width, vocab, rngs=rngs)
+
+  def __call__(self, tokens):
+    x = self.embed(tokens)
+    x = x + self.mix(jax.nn.gelu(self.up(x)))
+    return self.head(self.norm(x)).astype(jnp.float32)
+
+
+def tiny_nnx_lm(vocab: int = 256, width: int = 32):
+  return TinyNnxLM(vocab, width)
