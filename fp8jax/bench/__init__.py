@@ -95,6 +95,8 @@ def main(args: argparse.Namespace) -> int:
   cannot run here, ``comm`` on one device, is reported as skipped)."""
   if args.iters is not None and args.iters < 1:
     raise ValueError(f"bench {args.subject}: --iters {args.iters}: must be >= 1")
+  if args.seed < 0:
+    raise ValueError(f"bench {args.subject}: --seed {args.seed}: must be >= 0")
   if jax.process_count() > 1:
     raise ValueError("fp8jax bench measures the devices of one process; run it without "
                      "fp8jax launch")

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from flax.linen import fp8_ops
 
 from fp8jax.bench import report
-from fp8jax.bench.timing import custom_calls, memory_gib, rel_err, time_calls
+from fp8jax.bench.timing import FP8_GEMM, custom_calls, memory_gib, rel_err, time_calls
 from fp8jax.linen import Fp8DotGeneral, apply_fp8_updates
 from fp8jax.recipe import Recipe
 
@@ -159,9 +159,11 @@ def reference_grads(params, x, ct):
   def block(p, x):
     h = nn.gelu(jnp.dot(x, p["Dense_0"]["kernel"], precision="highest"))
     return jnp.dot(h, p["Dense_1"]["kernel"], precision="highest")
-  f32 = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)  # noqa: E731
-  _, vjp = jax.vjp(block, f32(params), f32(x))
-  return jax.jit(vjp)(f32(ct))
+  @jax.jit
+  def grads(params, x, ct):
+    f32 = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)  # noqa: E731
+    return jax.vjp(block, f32(params), f32(x))[1](f32(ct))
+  return grads(params, x, ct)
 
 
 def _gemm(a, b, contract, scale, out_dtype, fast: bool):
@@ -258,7 +260,7 @@ def _time_block(mode, x, ct, params, ref, key, iters) -> dict:
   err = max(rel_err(dx, ref_dx), *(rel_err(dv["params"][k]["kernel"], ref_p[k]["kernel"])
                                    for k in ("Dense_0", "Dense_1")))
   timing = time_calls(lambda: compiled(variables, x, ct), iters, warmup=1)
-  return {"ms": timing.median, "fp8_gemms": custom_calls(compiled.as_text()),
+  return {"ms": timing.median, "fp8_gemms": custom_calls(compiled.as_text()).get(FP8_GEMM, 0),
           "grad_err": err, "temp_gib": memory_gib(compiled)["temp"]}
 
 
@@ -267,5 +269,5 @@ def _time_gemms(mode, x, params, key, iters) -> dict:
   step = gemms_step(jnp.float32 if mode == "gemms_fp8_f32out" else jnp.bfloat16)
   compiled = step.lower(*args).compile()
   timing = time_calls(lambda: compiled(*args), iters)
-  return {"ms": timing.median, "fp8_gemms": custom_calls(compiled.as_text()), "grad_err": None,
-          "temp_gib": memory_gib(compiled)["temp"]}
+  return {"ms": timing.median, "fp8_gemms": custom_calls(compiled.as_text()).get(FP8_GEMM, 0),
+          "grad_err": None, "temp_gib": memory_gib(compiled)["temp"]}

@@ -8,19 +8,19 @@ and optimizer state donated; it runs 3 warm-up steps, then ``--iters`` steps eac
 where the host's dispatch overlaps the device).
 
 Modes:
-  optax                   ``optax.adamw``: f32 parameters, gradients and moments (baseline)
-  fp8jax O2               ``fp8jax.optim.adamw`` (E4M3 m/sqrt(v), FP16 sqrt(v)) composed with
-                          FP16 master weights (``apply_master_updates``, stochastic rounding)
-                          on FP8 E4M3 gradients with per-tensor scales
-  O2 fused                the same step through ``fp8jax.optim.fused.adamw_master_step`` (one
-                          Pallas kernel per tensor on GPUs), which checks the gradients itself
-  O2 fused, finite given  the same with the finiteness flag passed in (as training passes the
-                          clipping norm's)
-  clip+optax              ``optax.clip_by_global_norm(1.0)`` then ``optax.adamw`` (baseline of
-                          the clip+ rows)
-  clip+O2 fused           global-norm clipping of the FP8 gradients (into their scales), then
-                          the fused step, finite from the norm (the Trainer's O2 update)
-  fp8jax                  ``fp8jax.optim.adamw`` alone on f32 parameters and gradients
+  optax            ``optax.adamw``: f32 parameters, gradients and moments (baseline)
+  o2               ``fp8jax.optim.adamw`` (E4M3 m/sqrt(v), FP16 sqrt(v)) composed with FP16
+                   master weights (``apply_master_updates``, stochastic rounding) on FP8 E4M3
+                   gradients with per-tensor scales
+  o2_fused         the same step through ``fp8jax.optim.fused.adamw_master_step`` (one Pallas
+                   kernel per tensor on GPUs), which checks the gradients itself
+  o2_fused_finite  the same with the finiteness flag passed in (as training passes the
+                   clipping norm's)
+  clip_optax       ``optax.clip_by_global_norm(1.0)`` then ``optax.adamw`` (baseline of the
+                   clip_ rows)
+  clip_o2_fused    global-norm clipping of the FP8 gradients (into their scales), then the
+                   fused step, finite from the norm (the Trainer's O2 update)
+  fp8jax           ``fp8jax.optim.adamw`` alone on f32 parameters and gradients
 
 Columns: ms waited for and back to back with their ratios to the baseline (time / baseline
 time: below 1 is faster), the first step's parameter change against the baseline's
@@ -44,14 +44,14 @@ from fp8jax.bench.timing import back_to_back_ms, memory_gib, time_calls
 from fp8jax.optim.fused import adamw_master_step
 
 PARAMS, SMALL_PARAMS = 2**30, 2**16
-TENSORS, SMALL_TENSORS = 16, 4
+TENSORS, SMALL_TENSORS = 16, 2
 ITERS, SMALL_ITERS = 20, 3
 LR, WEIGHT_DECAY = 1e-4, 0.1
-MODES = ("optax", "fp8jax O2", "O2 fused", "O2 fused, finite given", "clip+optax",
-         "clip+O2 fused", "fp8jax")
+MODES = ("optax", "o2", "o2_fused", "o2_fused_finite", "clip_optax",
+         "clip_o2_fused", "fp8jax")
 DEFAULT_MODES = MODES[:6]
-BASELINES = ("optax", "clip+optax")
-F32_MODES = ("optax", "clip+optax", "fp8jax")  # f32 parameters and gradients
+BASELINES = ("optax", "clip_optax")
+F32_MODES = ("optax", "clip_optax", "fp8jax")  # f32 parameters and gradients
 COLUMNS = (report.Column("ms", "ms waited for"), report.Column("x_base", "time vs baseline"),
            report.Column("b2b_ms", "ms back to back"),
            report.Column("x_base_b2b", "time vs baseline (b2b)"),
@@ -68,8 +68,7 @@ def add_arguments(parser) -> None:
                       help=f"2-D tensors they are split into (default {TENSORS}; --small "
                            f"{SMALL_TENSORS})")
   parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                      help=f"comma-separated, of {', '.join(repr(m) for m in MODES)} (default: "
-                           "all but 'fp8jax')")
+                      help=f"comma-separated, of {', '.join(MODES)} (default: all but fp8jax)")
 
 
 def prepare(args) -> Callable[[Callable[[str], None]], list[report.Table]]:
@@ -83,7 +82,7 @@ def prepare(args) -> Callable[[Callable[[str], None]], list[report.Table]]:
   bad = [m for m in modes if m not in MODES] or ([] if modes else [""])
   if bad:
     raise ValueError(f"bench optim: --modes {args.modes!r}: unknown mode {bad[0]!r}; known: "
-                     f"{', '.join(repr(m) for m in MODES)}")
+                     f"{', '.join(MODES)}")
   iters = args.iters or (SMALL_ITERS if args.small else ITERS)
   return lambda log: [measure(shapes(n, k), modes, iters, args.seed, log=log)]
 
@@ -98,7 +97,7 @@ def shapes(n_params: int, n_tensors: int) -> list[tuple[int, int]]:
 
 def baseline_of(mode: str) -> str:
   """The baseline a mode's ratios divide by."""
-  return "clip+optax" if mode.startswith("clip+") else "optax"
+  return "clip_optax" if mode.startswith("clip_") else "optax"
 
 
 def clip_scaled(grads, max_norm: float):
@@ -115,7 +114,7 @@ def optimizer(mode: str) -> optax.GradientTransformation:
   """The optax transformation a mode's state belongs to."""
   if mode == "optax":
     return optax.adamw(LR, weight_decay=WEIGHT_DECAY)
-  if mode == "clip+optax":
+  if mode == "clip_optax":
     return optax.chain(optax.clip_by_global_norm(1.0),
                        optax.adamw(LR, weight_decay=WEIGHT_DECAY))
   return fo.adamw(LR, weight_decay=WEIGHT_DECAY)
@@ -128,16 +127,16 @@ def step_fn(mode: str, tx: optax.GradientTransformation):
     def step(params, state, grads):
       updates, state = tx.update(grads, state, params)
       return optax.apply_updates(params, updates), state
-  elif mode == "fp8jax O2":
+  elif mode == "o2":
     def step(master, state, grads):
       updates, state = tx.update(grads, state, fo.master_params(master))
       return fo.apply_master_updates(master, updates, finite=fo.all_finite(grads)), state
   else:
     def step(master, state, grads):
       finite = None
-      if mode == "O2 fused, finite given":
+      if mode == "o2_fused_finite":
         finite = jnp.bool_(True)
-      elif mode == "clip+O2 fused":
+      elif mode == "clip_o2_fused":
         grads, norm = clip_scaled(grads, 1.0)
         finite = jnp.isfinite(norm)
       return adamw_master_step(grads, state, master, learning_rate=LR,
@@ -227,8 +226,8 @@ def measure(shapes_, modes=DEFAULT_MODES, iters: int = ITERS, seed: int = 0,
     r.values["x_base"] = report.ratio(r.values["ms"], base and base.values["ms"])
     r.values["x_base_b2b"] = report.ratio(r.values["b2b_ms"], base and base.values["b2b_ms"])
     table.rows.append(r)
-  table.notes.append("ratios are time / baseline time (below 1: faster); clip+ rows against "
-                     "clip+optax, the others against optax")
+  table.notes.append("ratios are time / baseline time (below 1: faster); clip_ rows against "
+                     "clip_optax, the others against optax")
   if jax.default_backend() != "gpu":
     table.notes.append(f"{jax.default_backend()}: the fused modes run the kernel's math "
                        "through XLA here (the Pallas kernel is GPU-only)")

@@ -44,8 +44,7 @@ RUNS = ("O0 saved, B16=O0,model.remat_policy=save_gemm_outputs,train.batch_size=
         "O2 io, B16=O2,model.remat_policy=save_gemm_io,train.batch_size=16")
 SMALL_SETTINGS = ("model.vocab_size=256", "model.d_model=64", "model.n_layers=2",
                   "model.n_heads=2", "model.d_ff=256", "model.max_seq_len=32", "data.seq_len=32",
-                  "data.max_bytes=200000", "train.batch_size=4", "train.warmup_steps=1",
-                  "train.eval_every=0", "train.fp8_health_every=0")
+                  "data.max_bytes=200000", "train.batch_size=4", "train.warmup_steps=1")
 SMALL_RUNS = ("O0 saved=O0,model.remat_policy=save_gemm_outputs",
               "O2 io=O2,model.remat_policy=save_gemm_io")
 ITERS, SMALL_ITERS = 5, 2
@@ -84,7 +83,8 @@ def prepare(args) -> Callable[[Callable[[str], None]], list[report.Table]]:
   checked: ``log -> tables`` (`log` prints a progress line)."""
   small = args.small
   runs = [parse_run(r) for r in (args.run or (SMALL_RUNS if small else RUNS))]
-  settings = list(SETTINGS) + (list(SMALL_SETTINGS) if small else [])
+  settings = list(SETTINGS) + (list(SMALL_SETTINGS) if small else []) + [
+      f"train.seed={args.seed}", f"data.seed={args.seed}"]
   if jax.default_backend() == "gpu" and not any(s.startswith("model.attention_impl=")
                                                 for s in args.set):
     settings += GPU_SETTINGS
@@ -99,9 +99,8 @@ def measure(config: str | None, runs, overrides=(), iters: int = ITERS,
             log=print) -> report.Table:
   """The table of `runs` ((label, level, overrides) each; the first is the baseline) on
   `config` (a YAML path or None: the defaults) with `overrides` applied to every run."""
-  where = os.path.basename(config) if config else "built-in defaults"
-  table = report.Table(
-      "step", f"train step, {where} {' '.join(overrides)}; median of {iters} steps", COLUMNS)
+  where = os.path.basename(config) if config else "the built-in defaults"
+  table = report.Table("step", f"train step on {where}, median of {iters} steps", COLUMNS)
   for i, (label, level, own) in enumerate(runs):
     values = time_run(config, level, list(overrides) + own, iters, log=lambda m: log(
         f"step {label}: {m}"))
@@ -113,6 +112,7 @@ def measure(config: str | None, runs, overrides=(), iters: int = ITERS,
   base = table.rows[0].values["tokens_per_s"]
   for r in table.rows:
     r.values["x_base"] = report.ratio(r.values["tokens_per_s"], base)
+  table.notes.append("every run: " + " ".join(overrides))
   table.notes.append("each run with its own overrides: " + "; ".join(
       f"{label} = {level}{''.join(',' + o for o in own)}" for label, level, own in runs))
   return table
