@@ -248,6 +248,9 @@ def _time_block(mode, x, ct, params, ref, key, iters) -> dict:
   step = block_step(net)
   compiled = step.lower(variables, x, ct).compile()
   initial = scale_leaves(variables)
+  if mode != "bf16" and not initial:
+    raise RuntimeError(f"bench mlp {mode}: no FP8 scale found in the variables "
+                       f"({', '.join(sorted(variables))}); cannot check that they are warm")
   for _ in range(WARMUP_STEPS):  # carry the FP8 state: delayed scales see this data
     dv, _ = compiled(variables, x, ct)
     variables = carry_fp8_state(variables, dv)

@@ -11,6 +11,7 @@ import sys
 from typing import Any, Sequence
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table as RichTable
 
 
@@ -68,8 +69,11 @@ def ratio(value: float | None, base: float | None) -> float | None:
 
 
 def cell(value: Any, fmt: str = ".2f") -> str:
-  """The text of one value: None and NaN as "-", floats by `fmt`, ints with separators."""
-  if value is None or (isinstance(value, float) and math.isnan(value)):
+  """The text of one value: None (not measured) as "-", floats (numpy's too) by `fmt` (NaN
+  as "nan"), ints with separators."""
+  if hasattr(value, "item") and not isinstance(value, (str, bytes)):
+    value = value.item()
+  if value is None:
     return "-"
   if isinstance(value, bool):
     return "yes" if value else "no"
@@ -101,26 +105,28 @@ def show(table: Table, plain: bool = False, file=None) -> None:
   if plain or not getattr(file, "isatty", lambda: False)():
     print(markdown(table) + "\n", file=file, flush=True)
     return
-  out = RichTable(title=table.title, title_justify="left")
+  out = RichTable(title=escape(table.title), title_justify="left")
   out.add_column("variant")
   for c in table.columns:
     out.add_column(c.header, justify="right")
   for r in table.rows:
-    out.add_row(f"[bold]{r.label}[/bold] (baseline)" if r.baseline else r.label,
-                *(cell(r.values.get(c.key), c.fmt) for c in table.columns))
+    label = escape(r.label)
+    out.add_row(f"[bold]{label}[/bold] (baseline)" if r.baseline else label,
+                *(escape(cell(r.values.get(c.key), c.fmt)) for c in table.columns))
   console = Console(file=file)
   console.print(out)
   for n in table.notes:
-    console.print(f"- {n}", highlight=False)
+    console.print(f"- {escape(n)}", highlight=False)
   console.print()
 
 
 def _plain(value: Any) -> Any:
-  """A JSON-safe scalar (NaN and inf as None, numpy scalars as Python ones)."""
+  """A JSON-safe scalar: numpy scalars as Python ones, NaN and inf as the strings "nan",
+  "inf", "-inf" (strict JSON has no such numbers)."""
   if hasattr(value, "item") and not isinstance(value, (str, bytes)):
     value = value.item()
   if isinstance(value, float) and not math.isfinite(value):
-    return None
+    return str(value)
   return value
 
 
@@ -131,6 +137,6 @@ def write_json(path: str, document: dict) -> None:
   os.makedirs(folder, exist_ok=True)
   tmp = f"{path}.tmp"
   with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(document, f, indent=1)
+    json.dump(document, f, indent=1, allow_nan=False)
     f.write("\n")
   os.replace(tmp, path)
