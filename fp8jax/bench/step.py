@@ -92,7 +92,16 @@ def prepare(args) -> Callable[[Callable[[str], None]], list[report.Table]]:
   if config is not None and not os.path.isfile(config):
     raise ValueError(f"bench step: --config {config}: no such file")
   iters = args.iters or (SMALL_ITERS if small else ITERS)
-  return lambda log: [measure(config, runs, settings + list(args.set), iters, log=log)]
+  overrides = settings + list(args.set)
+  labels = [label for label, _, _ in runs]
+  if len(set(labels)) < len(labels):
+    raise ValueError(f"bench step: --run labels {labels}: give each run its own label")
+  for label, level, own in runs:  # a bad key or value is refused before anything runs
+    try:
+      load_config(config, overrides + own + [f"train.opt_level={level}"])
+    except ValueError as e:
+      raise ValueError(f"bench step: run {label!r}: {e}") from None
+  return lambda log: [measure(config, runs, overrides, iters, log=log)]
 
 
 def measure(config: str | None, runs, overrides=(), iters: int = ITERS,

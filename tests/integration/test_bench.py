@@ -147,6 +147,8 @@ def test_comm_on_one_device_says_so_and_skips(tmp_path, capsys):
     (["optim", "--modes", "adam"], "bench optim: --modes 'adam': unknown mode 'adam'"),
     (["step", "--run", "O2"], "bench step: --run 'O2': use LABEL=LEVEL"),
     (["step", "--config", "no/such.yaml"], "bench step: --config no/such.yaml: no such file"),
+    (["step", "--small", "--run", "a=O9"], "bench step: run 'a': --set train.opt_level=O9: "),
+    (["step", "--small", "--run", "a=O0", "--run", "a=O2"], "bench step: --run labels"),
     (["comm", "--sizes-mib", "1,x"], "bench comm: --sizes-mib '1,x': use whole MiB >= 1"),
     (["comm", "--devices", "99"], "bench comm: --devices 99: this process has 8 local"),
     (["all", "--seed", "-3"], "bench all: --seed -3: must be >= 0"),
