@@ -6,8 +6,8 @@ in BF16, with Flax's FP8 op and with fp8jax), ``step`` (:mod:`fp8jax.bench.step`
 tokens/s at O0 and O2), ``optim`` (:mod:`fp8jax.bench.optim`: the fused O2 update against
 ``optax.adamw``), ``comm`` (:mod:`fp8jax.bench.comm`: FP8 reduce-scatter against BF16
 ``psum_scatter``, >= 2 devices), and ``all`` of them in that order. Defaults are the GPU shapes
-of RESULTS.md; ``--small`` runs each in seconds on a CPU. Tables print as Markdown (rich on a
-terminal); ``--json PATH`` also writes every table, the devices and the versions.
+of RESULTS.md; ``--small`` runs each in well under a minute on a CPU. Tables print as Markdown
+(rich on a terminal); ``--json PATH`` also writes every table, the devices and the versions.
 
 Each subject module has ``add_arguments(parser)`` (its flags), ``prepare(args)`` (parsed flags
 checked: a function ``log -> [report.Table]``) and ``measure(...)`` (a table from Python
@@ -36,8 +36,8 @@ HELP = {"mlp": "MLP block forward+backward: BF16 vs Flax's FP8 op vs fp8jax",
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--small", action="store_true",
-                      help="small shapes that run in seconds on a CPU (default: the GPU "
-                           "shapes of benchmarks/RESULTS.md)")
+                      help="small shapes for a quick run on a CPU (default: the GPU shapes "
+                           "of benchmarks/RESULTS.md)")
   parser.add_argument("--iters", type=int, default=None, metavar="N",
                       help="timed repetitions per variant (median; default per subject)")
   parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
@@ -111,7 +111,7 @@ def main(args: argparse.Namespace) -> int:
         f"XLA_FLAGS={info['xla_flags']!r}\n", flush=True)
   if info["backend"] != "gpu" and not args.small:
     _log(f"fp8jax bench: no GPU ({info['backend']}): the GPU-sized defaults may take very "
-         "long here; --small runs in seconds")
+         "long here; --small is a quick run")
   for name, run in runs.items():
     t0 = time.perf_counter()
     try:

@@ -5,9 +5,10 @@ BF16 ``lax.psum_scatter``, side by side in one process over the local devices (>
 A 1-D mesh over ``--devices`` local devices; each device holds ``--sizes-mib`` MiB of f32
 gradients (one [rows, 1024] tensor, magnitudes lognormal over ~5 decades, drawn on the device)
 and, for the tree case, the gradient tree of a GPT-style model (GPU: 24 layers, d=2048, vocab
-50304, 243 tensors; ``--small``: 1 layer, d=64). Every variant is a jitted ``jax.shard_map``
-compiled ahead of time, run 3 times, then ``--iters`` calls each waited for (median). Delayed
-scales are the gradients' own amax (warm, as after a step of automatic scaling).
+50304, 243 tensors; ``--small``: embeddings and final norm, d=64, 3 tensors). Every variant is
+a jitted ``jax.shard_map`` compiled ahead of time, run 3 times, then ``--iters`` calls each
+waited for (median). Delayed scales are the gradients' own amax (warm, as after a step of
+automatic scaling).
 
 Variants: ``bf16 psum_scatter (f32 in)`` (the baseline: the cast to bf16 inside the timed
 function), ``(bf16 in)``, ``fp8 plain all_to_all`` (amax, pmax, cast, all_to_all, f32 sum in
@@ -39,7 +40,7 @@ from fp8jax.parallel.collectives import (CommScaling, fp8_reduce_scatter,
 AX = "d"
 E4M3 = jnp.float8_e4m3fn
 SIZES_MIB, SMALL_SIZES_MIB = (256, 1024), (1,)
-MODEL, SMALL_MODEL = (24, 2048, 50304, 2048), (1, 64, 128, 32)  # layers, d, vocab, context
+MODEL, SMALL_MODEL = (24, 2048, 50304, 2048), (0, 64, 128, 32)  # layers, d, vocab, context
 ITERS, SMALL_ITERS = 20, 3
 BASELINE, TREE_BASELINE = "bf16 psum_scatter (f32 in)", "bf16 psum_scatter per leaf"
 COLUMNS = (report.Column("ms", "ms", ".3f"), report.Column("x_base", "time vs bf16"),
