@@ -8,7 +8,8 @@ on this device kind (``fp8jax.train.profile``), written as a throughput profile
 (``fp8jax.parallel.profile``). ``fp8jax check``: lists the devices, says whether FP8 GEMMs run
 natively or emulated (and why), and compares one Dense layer's forward+backward in FP8
 against BF16: relative error of output, input gradient and weight gradient vs a float64
-reference, and time per step.
+reference, and time per step. ``fp8jax bench mlp|step|optim|comm|all``: fp8jax's speed claims
+measured on this machine, each against its baselines in the same process (``fp8jax.bench``).
 
 Errors: bad input (a missing file, a config value, a data problem: an ``OSError``, or a
 ``ValueError`` that fp8jax raises about its input) prints one line ``fp8jax: error: ...`` on
@@ -27,6 +28,8 @@ import time
 import traceback
 
 import numpy as np
+
+from fp8jax import bench
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 BASE_CONFIG = os.path.join(os.path.dirname(PACKAGE_DIR), "configs", "base.yaml")
@@ -418,6 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
   tok_train.add_argument("--max-bytes", type=int, default=4 << 20,
                          help="text bytes read at most (default 4 MiB)")
   tok_train.set_defaults(func=cmd_tokenizer_train)
+  bench.configure(sub.add_parser("bench", help="measure fp8jax's speed claims here: mlp, step, "
+                                 "optim, comm or all, each against its baselines in one run"))
   for command in (check, train, prof, launch, plot, sim, conv, tok, tok_train):
     _add_debug(command, top=False)
   return parser

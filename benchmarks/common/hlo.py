@@ -1,4 +1,5 @@
-"""What compiled (optimized) HLO text holds: custom calls, and the bytes its collectives move."""
+"""The bytes the collectives of compiled (optimized) HLO text move (custom calls:
+``fp8jax.bench.timing.custom_calls``)."""
 from __future__ import annotations
 
 import re
@@ -57,12 +58,4 @@ def collective_bytes(hlo: str) -> dict[str, int]:
       else:  # the result (for async starts: the last tuple element)
         size = _bytes(*shapes[-1])
       out[key] = out.get(key, 0) + size * mult.get(comp, 1)
-  return out
-
-
-def custom_calls(hlo: str) -> dict[str, int]:
-  """{custom-call target: count} in compiled HLO text (e.g. cuBLASLt FP8 GEMMs)."""
-  out: dict[str, int] = {}
-  for t in re.findall(r'custom_call_target="([^"]+)"', hlo):
-    out[t] = out.get(t, 0) + 1
   return out

@@ -5,8 +5,9 @@
 (a) x[M, K] bf16 -> (q, q_t, amax) in E4M3: the Pallas kernel (several tilings) vs the XLA
     reference (compute_amax + quantize + transposed copy), checked bit-equal on the device;
     ms per call and GB/s counting 2 bytes read + 2 fp8 bytes written per element.
-(b) MLP block forward+backward (benchmarks/gemm/mlp_block.py) with Recipe.fused_cast_transpose
-    False vs True: median ms, ratio, number of Triton (Pallas) and cuBLASLt FP8 calls.
+(b) MLP block forward+backward (``fp8jax.bench.mlp``'s block) with Recipe.fused_cast_transpose
+    False vs True: median ms, ratio, number of Triton (Pallas) and cuBLASLt FP8 calls, and
+    the largest relative difference of the gradients between the two.
 Each part runs under try/except, so one failure still prints the rest.
 """
 from __future__ import annotations
@@ -24,7 +25,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import fp8jax  # noqa: E402
-from benchmarks.gemm import mlp_block as mb  # noqa: E402
+from fp8jax.bench import mlp as mb  # noqa: E402
+from fp8jax.bench.timing import FP8_GEMM, custom_calls, rel_err, time_calls  # noqa: E402
 from fp8jax.kernels import cast_transpose as ct  # noqa: E402
 
 SHAPES = [(16384, 2048), (16384, 8192), (2048, 8192)]
@@ -102,22 +104,22 @@ def part_b():
         recipe = fp8jax.Recipe(fused_cast_transpose=fused)
         model = mb.MLP(f, d, functools.partial(Fp8DotGeneral, recipe=recipe))
         variables = {**model.init(kp, x), "params": params}
-        step = mb.make_step(model)
-        calls = mb.custom_calls(step.lower(variables, x, ct_).compile().as_text())
+        step = mb.block_step(model)
+        calls = custom_calls(step.lower(variables, x, ct_).compile().as_text())
         n_tri = sum(v for k_, v in calls.items() if "triton" in k_)
         for _ in range(2):  # warm delayed scales, as in training
           dv, _ = step(variables, x, ct_)
-          variables = {**variables, "fp8_meta": dv["fp8_meta"]}
+          variables = mb.carry_fp8_state(variables, dv)
         out = step(variables, x, ct_)
         grads = [out[1]] + [out[0]["params"][k]["kernel"] for k in ("Dense_0", "Dense_1")]
         if first is None:
           first, diff = grads, 0.0
         else:
-          diff = max(mb.rel(a, b) for a, b in zip(grads, first))
-        med, _ = mb.median_ms(step, (variables, x, ct_), 10)
+          diff = max(rel_err(a, b) for a, b in zip(grads, first))
+        med = time_calls(lambda: step(variables, x, ct_), 10).median
         base = base or med
         print(f"{f'{t_},{d},{f}':>18s} {str(fused):>6s} {med:8.2f} {base / med:6.2f} {n_tri:7d} "
-              f"{calls.get(mb.FP8_GEMM, 0):7d} {diff:12.2e}", flush=True)
+              f"{calls.get(FP8_GEMM, 0):7d} {diff:12.2e}", flush=True)
     except Exception:  # noqa: BLE001
       print(f"{t_},{d},{f}: FAILED\n{traceback.format_exc()[-2500:]}", flush=True)
 

@@ -1,17 +1,18 @@
-"""Train-step throughput and memory of the reference decoder, several settings side by side.
+"""Train-step throughput and memory of the reference decoder, each setting in its own process.
 
   python benchmarks/train/throughput.py --config configs/gpt_1_3b.yaml \
       --run O0=O0 --run O1=O1 --run "O2 io=O2,model.remat_policy=save_gemm_io" [--steps 10] \
       [--set model.attention_impl=cudnn ...]
   e.g. the fused FP8 cast kernel: --run O1=O1 --run "O1 fused=O1,fp8.fused_cast_transpose=true"
 
-Each ``--run LABEL=LEVEL[,key=value...]`` is measured in its own subprocess (so the device's
-peak memory is that run's alone) on the same config, data and batch: two warm-up steps
-(compilation; the Trainer's first step runs its uncalibrated FP8 model, see fp8.calibrate),
-then ``--steps`` steps timed with the host clock around a blocking step (median). ``--set``
-overrides apply to every run. Prints tokens/s, the ratio to the first run, MFU (against the
-FP8 peak for FP8 levels, BF16 for O0), peak device memory, compile time and the model settings
-the Trainer chose for "auto" (``fp8jax.train.build.choose_auto``).
+``fp8jax bench step`` times O0 against O2 at their best settings in one process; this script
+times the same step (``fp8jax.bench.step.time_run``: the Trainer's step, uncalibrated first
+where ``fp8.calibrate`` says so, then ``--steps`` timed steps, median) for any config and runs,
+each ``--run LABEL=LEVEL[,key=value...]`` in its own subprocess, so the device's peak memory is
+that run's alone. ``--set`` overrides apply to every run. Prints tokens/s, the ratio to the
+first run, MFU (against the FP8 peak for FP8 levels, BF16 for O0), peak device memory and
+compile + warm-up time and the model settings the Trainer chose for "auto"
+(``fp8jax.train.build.choose_auto``).
 """
 from __future__ import annotations
 
@@ -20,41 +21,18 @@ import json
 import os
 import subprocess
 import sys
-import time
-
-import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 
 def time_one(config_path: str, level: str, overrides: list[str], steps: int) -> dict:
-  import jax
-  from fp8jax.config import load_config
+  from fp8jax.bench.step import time_run
   from fp8jax.train import metrics as metrics_lib
-  from fp8jax.train.loop import Trainer
 
-  cfg = load_config(config_path, list(overrides) + [f"train.opt_level={level}"])
-  trainer = Trainer(cfg, progress=False)
-  batch = trainer.next_batch(0)
-  step = trainer.step_fn(cfg.microbatches_at(0))
-  t0 = time.perf_counter()
-  for _ in range(2):  # compiles; with fp8.calibrate the first step's model, then the steady one
-    trainer.state, m = step(trainer.state, batch)
-    jax.block_until_ready(m)
-  compile_s = time.perf_counter() - t0
-  times = []
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    trainer.state, m = step(trainer.state, batch)
-    jax.block_until_ready(m)
-    times.append(time.perf_counter() - t0)
-  tokens = batch.shape[0] * (batch.shape[1] - 1)
-  tps = tokens / float(np.median(times))
-  return {"ms": 1e3 * float(np.median(times)), "tokens_per_s": tps, "compile_s": compile_s,
-          "mfu": metrics_lib.mfu(trainer.flops_per_token, tps, trainer.fp8_peak),
-          "loss": float(m["loss"]), "batch": int(batch.shape[0]),
-          "auto": " ".join(trainer.auto.lines()), **metrics_lib.memory_in_use()}
+  row = time_run(config_path, level, overrides, steps,
+                 log=lambda m: print(m, file=sys.stderr, flush=True))
+  return {**row, "compile_s": row["warmup_s"], **metrics_lib.memory_in_use()}
 
 
 def parse_run(text: str) -> tuple[str, str, list[str]]:
