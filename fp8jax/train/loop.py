@@ -165,7 +165,8 @@ class Trainer:
           self.writer.write(step + 1, {"val_loss": final["val_loss"]})
           window.restart()  # evaluation is not training time
         bar.advance(1)
-        if save:
+        if self.checkpoints is not None and (save or preemption.requested):
+          self._read_guards(step)  # (a signal may have come after the read above)
           self.save(step + 1)
           heartbeat.beat()
         if preemption.requested:

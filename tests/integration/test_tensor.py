@@ -97,7 +97,10 @@ def test_tensor_parallel_with_zero3_matches_one_device(tp_runs):
   got, _, state, plan = tp_runs["tp3"]
   print(f"tensor x ZeRO-3 update error {_rel(got - p0, ref - p0):.2e}, vs no E4M3 gather "
         f"{_rel(got - p0, tp_runs['ref'][0] - p0):.2e}")
-  assert _rel(got - p0, ref - p0) < 0.03  # the gathered kernels' E4M3 rounding, as reference
+  # The gathered kernels' E4M3 rounding is in the reference too; summation order still flips
+  # a few roundings (0.0345 seen once in CI's seeds; the llama family's tensor x data run
+  # spread 0.013-0.038 over 45 seeds): 0.06, far below the 0.185 of a reference without it.
+  assert _rel(got - p0, ref - p0) < 0.06
   assert _rel(got - p0, tp_runs["ref"][0] - p0) > 0.1  # ... which did happen
   fc_in = state.params["layers"]["mlp"]["fc_in"]["kernel"]
   assert set(fc_in.sharding.spec) >= {"tensor", ("data", "fsdp")}
