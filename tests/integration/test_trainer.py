@@ -23,9 +23,10 @@ def _run(tmp_path, level, steps, **extra):
 
 @pytest.mark.slow
 def test_o1_and_o2_match_o0_validation_loss_within_one_percent(tmp_path):
-  o0, _ = _run(tmp_path, "O0", 100)
-  o2, _ = _run(tmp_path, "O2", 100)
-  o1, run_dir = _run(tmp_path, "O1", 100)
+  small = {"model.n_layers": 2, "train.eval_batches": 4}  # 60 steps: O1 0.1%, O2 0.3% off O0
+  o0, _ = _run(tmp_path, "O0", 60, **small)
+  o2, _ = _run(tmp_path, "O2", 60, **small)
+  o1, run_dir = _run(tmp_path, "O1", 60, **small)
   for r in (o0, o1, o2):
     assert r["val_loss"] < 3.0  # learned (start: ln 256 = 5.5)
   assert abs(o1["val_loss"] - o0["val_loss"]) < 0.01 * o0["val_loss"]
