@@ -157,3 +157,21 @@ def test_ctrl_c_finishes_the_step_saves_and_resumes(tmp_path, cache):
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f"resumed from step {stopped}" in resumed.stdout
   assert [s for s, _ in ft_util.losses(run_dir)] == list(range(1, 41))
+
+
+def test_tokenizer_train_and_convert_hf_commands(tmp_path, capsys):
+  """`fp8jax tokenizer train` writes a tokenizer of the asked size (in-process); `fp8jax
+  convert-hf` of a run that is not of the llama family is one error line, exit 2."""
+  out = tmp_path / "tok" / "tokenizer.json"
+  assert cli.main(["tokenizer", "train", "--vocab-size", "300", "-o", str(out),
+                   "--max-bytes", "100000"]) == 0
+  from fp8jax.data import load_tokenizer, tokenizer_vocab_size
+  assert tokenizer_vocab_size(load_tokenizer(str(out))) == 300
+  assert f"--set data.tokenizer={out}" in capsys.readouterr().out
+  run = tmp_path / "run"
+  run.mkdir()
+  (run / "config.yaml").write_text("model:\n  family: gpt\n")
+  assert cli.main(["convert-hf", str(run), str(tmp_path / "hf")]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err == [f"fp8jax: error: {run} trained model.family='gpt'; the Hugging Face layout is "
+                 "written for the llama family"]
