@@ -210,16 +210,24 @@ class RunCheckpoints:
     return self.manager.restore(state, shardings)
 
   def _check_same_run(self, meta: dict) -> None:
-    """Refuses a checkpoint of another model or level (its state would not fit)."""
+    """Refuses a checkpoint of another model or level (its state would not fit). How the
+    model computes (:data:`COMPUTE_KEYS`: attention, remat, layer loop, compute dtype) may
+    differ, e.g. "auto" settings resolved on another device kind."""
     saved = meta.get("config", {})
     mine = config_to_dict(self.config)
-    for section, key in [("model", k) for k in mine["model"]] + [("train", "opt_level")]:
+    for section, key in [("model", k) for k in mine["model"] if k not in COMPUTE_KEYS] + [
+        ("train", "opt_level")]:
       old = saved.get(section, {}).get(key, mine[section][key])
       if old != mine[section][key]:
         raise ValueError(
             f"{section}.{key}={mine[section][key]!r} but the checkpoints in "
             f"{self.directory} were written with {section}.{key}={old!r}; use "
             f"the same value to resume, or another checkpoint.dir / auto_resume: false")
+
+
+# Model keys that change how the step computes, not the state a checkpoint holds.
+COMPUTE_KEYS = frozenset({"attention_impl", "remat", "remat_policy", "remat_save_fp8_weights",
+                          "scan_layers", "fuse_gelu_into_fp8_cast", "dtype"})
 
 
 def records_of(meta: dict) -> RunRecords:
