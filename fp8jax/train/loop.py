@@ -69,7 +69,7 @@ class Trainer:
                          comm_scaling=config.parallel.grad_comm_scaling == "auto")
     self.plan = build.zero_plan(config, jax.eval_shape(init), self.run_model.tensor_rules)
     self.state = jax.jit(init, out_shardings=self.plan.state)()  # no unsharded copy
-    pretrained = self.run_model.pretrained_params(config)
+    pretrained = self.run_model.pretrained_params()
     if pretrained is not None:  # model.init_from: its weights, into the plan's shardings
       self.state = load_params(self.state, pretrained, self.level, self.plan.state.params)
     self.group_seconds = self._group_seconds()  # None: uniform split (no device_map)

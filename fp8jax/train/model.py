@@ -88,6 +88,7 @@ class RunModel:
     self._tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
     self._cache: dict = {}
     self.convert_report: ConvertReport | None = None
+    self._init_from = m.init_from
     if m.builder is None:
       self.name, self.model_config = m.family, m.model_config()
       fam = model_family(m.family)
@@ -131,14 +132,12 @@ class RunModel:
         self.convert_report = self.convert_report or report
     return self._cache[recipe]
 
-  def pretrained_params(self, config) -> dict | None:
+  def pretrained_params(self) -> dict | None:
     """The ``init_from`` checkpoint's params (numpy, the model's params tree) or None."""
-    m = config.model
-    if m.init_from is None:
+    if self._init_from is None:
       return None
     overrides = {k: getattr(self.model_config, k) for k in hf.LOAD_OVERRIDES}
-    _, params = hf.load_pretrained(m.init_from[len("hf:"):], **overrides)
-    return params
+    return hf.load_pretrained(self._init_from[len("hf:"):], **overrides)[1]
 
 
 class NnxModel:

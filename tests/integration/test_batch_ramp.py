@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from fp8jax.config import load_config
+from fp8jax.train.build import model_and_optimizer
 from fp8jax.train.loop import Trainer
 from fp8jax.train.step import build_step
 
@@ -52,7 +53,6 @@ def test_learning_rate_can_follow_tokens_seen():
   step: warmup over one full step's tokens, the decay ending with the run (min_lr_ratio)."""
   cfg = _config("O0", "train.batch_ramp={start_tokens: 32, end_tokens: 192, ramp_steps: 5, "
                       "lr_follows: tokens}", steps=8)
-  from fp8jax.train.build import model_and_optimizer
   _, schedule, _ = model_and_optimizer(cfg)
   t = cfg.train
   seen = [cfg.tokens_seen(s) / 192 for s in range(9)]
