@@ -11,6 +11,12 @@ under ``jax.checkpoint`` / ``nn.remat`` with a policy that saves that name (see
 The activation's cast (its FP8 residual, scale, amax) is tagged ``INPUT_CAST_NAME`` the same
 way.
 
+A weight that lives sharded (ZeRO-3, ``weight_shardings``, :mod:`fp8jax.fsdp`) is cast as its
+shard with the tensor's scale (the replicated state's delayed scale, or the global amax) and
+its E4M3 bytes are all-gathered for the GEMM; the residual is the cast shard (tagged
+``WEIGHT_CAST_NAME``), gathered again in the backward, and the weight gradient is summed
+over the devices in f32 into the shards.
+
 With ``Recipe(fused_cast_transpose=True)`` (GPU, native FP8) activations and output gradients
 are cast by one fused kernel (:mod:`fp8jax.kernels.cast_transpose`) that also writes their
 transposed FP8 copies and amaxes; the residual is the transposed activation, and the weight
@@ -130,8 +136,9 @@ class _Config(NamedTuple):
   fused: bool = False  # activations / output gradients cast by the fused cast+transpose kernel
   weight_cast: bool = False  # the weight arrives cast (a WeightCast)
   activation: str | None = None  # x arrives before this activation (applied in the cast)
-  # (home, gathered) NamedShardings of the canonical w: w lives sharded, its E4M3 cast is
-  # all-gathered for the GEMM (and again in the backward), its gradient reduce-scattered
+  # (home, gathered, keep) for the canonical w: w lives sharded (home), its E4M3 cast is
+  # all-gathered for the GEMM and again in the backward (unless keep: the gathered bytes are
+  # the residual), its gradient reduce-scattered
   w_gather: Any = None
 
 
@@ -271,6 +278,8 @@ def _fp8_matmul_fwd(x, w, meta: Fp8DotMeta, wc: WeightCast | None, cfg: _Config)
     qw_saved, sw, aw = _name_cast(WEIGHT_CAST_NAME, fsdp.constrain_bits(qw, cfg.w_gather[0]),
                                   sw, aw)
     qw = fsdp.constrain_bits(qw_saved, cfg.w_gather[1])
+    if cfg.w_gather[2]:
+      qw_saved = qw
   elif wc is None:
     qw, sw, aw = _name_cast(WEIGHT_CAST_NAME, *cast_weight(w, meta.kernel, r, cfg.amax_axes))
     qw_saved = qw
@@ -297,7 +306,7 @@ def _fp8_matmul_bwd(cfg: _Config, res, cts):
     ag = scaling.compute_amax(g, cfg.amax_axes)
     sg = scaling.scale_for_cast(og_meta, ag, r, r.bwd_format)
     qg = scaling.quantize(g, sg, r.bwd_format)
-  if cfg.w_gather is not None:  # the shard gathered again, once the cotangent is here
+  if cfg.w_gather is not None and not cfg.w_gather[2]:  # gathered again, once g is here
     qw = fsdp.constrain_bits(qw, cfg.w_gather[1], qg)
   m_axis = g.ndim - 2
   # dgrad: g[.., M, N] . w[.., K, N] over N -> [.., M, K]; wgrad: x[.., M, K] . g[.., M, N]
@@ -384,9 +393,9 @@ def _canonical_spec(spec: P, shape, perm, groups) -> P | None:
   return P(*out)
 
 
-def _weight_gather(shardings, rhs_shape, dimension_numbers, rperm, vma: frozenset):
-  """(home, gathered) shardings of the canonical weight ([B?, K, N]) for `shardings` of the
-  rhs, or None when the canonical layout cannot express them."""
+def _weight_gather(shardings, rhs_shape, dimension_numbers, rperm, vma: frozenset, keep: bool):
+  """(home, gathered, keep): shardings of the canonical weight ([B?, K, N]) for `shardings`
+  of the rhs, or None when the canonical layout cannot express them."""
   if vma:
     raise ValueError("weight_shardings inside shard_map is not supported; gather the weight "
                      "with the collectives of fp8jax.parallel.collectives there")
@@ -399,13 +408,15 @@ def _weight_gather(shardings, rhs_shape, dimension_numbers, rperm, vma: frozense
   specs = [_canonical_spec(s.spec, rhs_shape, rperm, groups) for s in shardings]
   if any(s is None for s in specs):
     return None
-  return tuple(jax.sharding.NamedSharding(s.mesh, c) for s, c in zip(shardings, specs))
+  return tuple(jax.sharding.NamedSharding(s.mesh, c) for s, c in zip(shardings, specs)) + (
+      bool(keep),)
 
 
 def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
                             recipe: Recipe = Recipe(), *, preferred_element_type=None,
                             amax_axes: Sequence[str] = (), weight_cast: WeightCast | None = None,
-                            lhs_activation: str | None = None, weight_shardings=None):
+                            lhs_activation: str | None = None, weight_shardings=None,
+                            keep_gathered_weight: bool = False):
   """FP8 ``lax.dot_general``; returns ``(out, meta_passthrough)``.
 
   `meta_passthrough` equals `meta`; hand it to the next call of the same layer so both
@@ -428,7 +439,10 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
       :mod:`fp8jax.fsdp`): rhs lives as `home` (split over the ZeRO axes); its shard is cast
       to the forward format with the tensor's scale and the FP8 bytes are all-gathered to
       `gathered` for the GEMM (again in the backward, from the kept shard); rhs's gradient is
-      summed in f32 into the `home` layout, then rounded to rhs's dtype. Not with `weight_cast`, not inside ``shard_map``.
+      summed in f32 into the `home` layout, then rounded to rhs's dtype. Not with
+      `weight_cast`, not inside ``shard_map``.
+    keep_gathered_weight: with `weight_shardings`, keep the gathered FP8 weight for the
+      backward instead of its shard (for a GEMM under remat: ``fsdp.WeightGather``).
   """
   ct.check_activation(lhs_activation)
   if not isinstance(meta, Fp8DotMeta):
@@ -449,7 +463,7 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
       raise ValueError("weight_cast with weight_shardings is not supported: a weight cast "
                        "outside is already whole; pass one or the other")
     w_gather = _weight_gather(weight_shardings, rhs.shape, dimension_numbers, rperm,
-                              _vma(lhs) | _vma(rhs))
+                              _vma(lhs) | _vma(rhs), keep_gathered_weight)
     if w_gather is None:  # no canonical layout for them: gathered as it is, then cast
       rhs = fsdp.gather_array(rhs, *weight_shardings)
   x = jnp.transpose(lhs, lperm).reshape((b, m, k) if batched else (m, k))

@@ -46,6 +46,7 @@ from fp8jax.params import is_gemm_weight, leaf_name
 # (key path as jax.tree_util.keystr, shape) -> (home spec, gathered spec)
 Specs = Callable[[str, tuple], tuple[P, P]]
 
+
 @dataclasses.dataclass(frozen=True)
 class WeightGather:
   """Where sharded parameters live and how they are gathered at use.
@@ -57,11 +58,15 @@ class WeightGather:
       the array as its user sees it, e.g. one layer's slice of a scanned stack).
     payload_dtype: dtype other floating parameters cross in with a power-of-two scale (FP16
       at O2/O3: lossless for FP16 master weights), or None: as they are.
+    keep_gathered: GEMMs keep their gathered weight for their backward instead of the shard
+      (which the backward gathers again): for layers under remat, whose forward runs again
+      in the backward and gathers it there anyway.
   """
 
   mesh: Mesh
   specs: Specs
   payload_dtype: Any = None
+  keep_gathered: bool = False
 
   def shardings(self, path: str, shape) -> tuple[NamedSharding, NamedSharding] | None:
     """(home, gathered) NamedShardings of the parameter at `path` with `shape`; None when it
@@ -149,22 +154,27 @@ def gather_array(x, home: NamedSharding, full: NamedSharding, *, dtype=None,
 
 
 def gathered_dot_general(lhs, rhs, dimension_numbers, home: NamedSharding,
-                         full: NamedSharding, *, precision=None, preferred_element_type=None):
+                         full: NamedSharding, *, precision=None, preferred_element_type=None,
+                         keep_gathered: bool = False):
   """``lax.dot_general(lhs, rhs, ...)`` with `rhs` (a weight laid out as `home`) gathered to
   `full` for the GEMM as its own bits, and again in the backward from the shard it keeps (so
-  a layer loop does not keep every layer's gathered weight); rhs's gradient is summed over
-  the devices in f32 into `home`, then cast to rhs's dtype."""
+  a layer loop does not keep every layer's gathered weight; `keep_gathered`: it keeps the
+  gathered weight instead, see :class:`WeightGather`); rhs's gradient is summed over the
+  devices in f32 into `home`, then cast to rhs's dtype."""
   dot = lambda l, w: jax.lax.dot_general(l, w, dimension_numbers, precision=precision,
                                          preferred_element_type=preferred_element_type)
 
   def fwd(lhs, rhs):
     shard = constrain_bits(rhs, home)
-    return dot(lhs, constrain_bits(shard, full)), (lhs, shard)
+    w = constrain_bits(shard, full)
+    return dot(lhs, w), (lhs, w if keep_gathered else shard)
 
   def bwd(res, g):
-    lhs, shard = res
-    dlhs, dw = jax.vjp(dot, lhs, constrain_bits(shard, full, g))[1](g)
-    return dlhs, _sum_into(dw, home, shard.dtype)
+    lhs, w = res
+    if not keep_gathered:
+      w = constrain_bits(w, full, g)
+    dlhs, dw = jax.vjp(dot, lhs, w)[1](g)
+    return dlhs, _sum_into(dw, home, w.dtype)
 
   gemm = jax.custom_vjp(lambda lhs, rhs: fwd(lhs, rhs)[0])
   gemm.defvjp(fwd, bwd)

@@ -25,6 +25,7 @@ Shapes: B batch, T sequence, D d_model, H heads, K head dim, F d_ff, V vocab.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -339,9 +340,13 @@ class Decoder(nn.Module):
     no collection is being written) unrolled over layer slices of the same stacked variables."""
     writing = self.is_initializing() or any(
         self.is_mutable_collection(c) for c in (HEALTH_COLLECTION, PERTURBATIONS))
-    if self.config.scan_layers or writing:
-      return self._layers(deterministic)(x, rope)[0]
-    return self._unrolled(x, rope, deterministic)
+    gather = fsdp.active()
+    if gather is not None and self.config.remat:  # the recomputation gathers the weights
+      gather = dataclasses.replace(gather, keep_gathered=True)  # again: its GEMMs keep them
+    with fsdp.gathering(gather):
+      if self.config.scan_layers or writing:
+        return self._layers(deterministic)(x, rope)[0]
+      return self._unrolled(x, rope, deterministic)
 
   def _unrolled(self, x, rope, deterministic: bool):
     """The blocks as n_layers calls, each on its layer's slice of the variables nn.scan

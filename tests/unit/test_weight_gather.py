@@ -93,6 +93,46 @@ def test_gathered_weight_gives_the_whole_weights_gemm(key, lhs_shape, rhs_shape,
   assert gathers and all(x.startswith(f"{wire}[") for x in gathers), gathers
 
 
+@pytest.mark.parametrize("fp8", [True, False])
+def test_kept_gathered_weight_gives_the_same_gemm_with_one_gather_less(key, fp8):
+  """keep_gathered (a GEMM under remat): the backward reuses the gathered weight instead of
+  gathering its shard again; same values. FP8 GEMMs gather E4M3 bits, BF16 GEMMs
+  (``gathered_dot_general``) the BF16 weight's bits, and their results equal
+  ``lax.dot_general``'s (the weight gradient to f32 summation order)."""
+  mesh = _mesh()
+  home, full = NamedSharding(mesh, P("z", None)), NamedSharding(mesh, P())
+  k1, k2, k3 = jax.random.split(key, 3)
+  lhs = jax.random.normal(k1, (2, 8, 64))
+  rhs = jax.random.normal(k2, (64, 48)) * 0.1
+  g = jax.random.normal(k3, (2, 8, 48))
+  meta = fp8jax.init_dot_meta()
+
+  def gemm(keep):
+    if fp8:
+      return lambda l, r: fp8jax.fp8_dot_general_chained(
+          l, r, DN, meta, weight_shardings=(home, full), keep_gathered_weight=keep)[0]
+    return lambda l, r: fsdp.gathered_dot_general(l, r, DN, home, full, keep_gathered=keep)
+
+  def compiled(f):
+    run = lambda l, r: (lambda y, vjp: (y, *vjp(g)))(*jax.vjp(f, l, r))
+    return jax.jit(run).lower(lhs, jax.device_put(rhs, home)).compile()
+
+  outs, wires = [], []
+  for keep in (False, True):
+    c = compiled(gemm(keep))
+    outs.append(c(lhs, jax.device_put(rhs, home)))
+    wires.append(_gathers(c.as_text()))
+  for a, b in zip(*outs):  # same values, to summation order
+    assert rel_err(a, b) < 1e-6, rel_err(a, b)
+  wire = "u8" if fp8 else "u32"
+  assert wires == [[f"{wire}[64,48]"] * 2, [f"{wire}[64,48]"]], wires
+  if not fp8:
+    plain = jax.jit(lambda l, r: (lambda y, vjp: (y, *vjp(g)))(
+        *jax.vjp(lambda l, r: jax.lax.dot_general(l, r, DN), l, r)))(lhs, rhs)
+    for name, a, b, bound in zip(("out", "dlhs", "drhs"), outs[0], plain, (1e-6, 1e-6, 1e-5)):
+      assert rel_err(a, b) <= bound, (name, rel_err(a, b))
+
+
 @pytest.mark.parametrize("dtype,scaled,wire", [(None, False, "u32"),
                                               (jnp.bfloat16, False, "u16"),
                                               (jnp.float16, True, "u16")])
