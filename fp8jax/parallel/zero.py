@@ -236,7 +236,8 @@ class ZeroPlan:
     batch: NamedSharding of a batch int32[B, T+1].
     axes: mesh axes the ZeRO state is sharded over.
     offload: optimizer state kept in host memory between steps.
-    fp8_gather: stage 3 gathers FP8 kernels in E4M3 + scale.
+    fp8_gather: the per-group loop's stage-3 gather (:meth:`gather_fn`) sends FP8 kernels
+      as E4M3 + scale (the uniform step's GEMMs gather their own weights as E4M3).
     payload_dtype: dtype other stage-3 parameters are gathered in (None: as stored).
     compiler_options: XLA compile options of the step (``combine.combine_options``).
   """
