@@ -178,7 +178,8 @@ def test_gather_tree_leaves_fp8_kernels_to_their_gemm(key):
   assert out["embed"]["embedding"].dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(out["embed"]["embedding"]),
                                 np.asarray(params["embed"]["embedding"].astype(jnp.bfloat16)))
-  np.testing.assert_array_equal(np.asarray(out["norm"]["scale"]), np.asarray(params["norm"]["scale"]))
+  np.testing.assert_array_equal(np.asarray(out["norm"]["scale"]),
+                                np.asarray(params["norm"]["scale"]))
   assert out["norm"]["scale"].sharding.is_fully_replicated
   assert fsdp.gather_tree(placed, None) is placed
 
