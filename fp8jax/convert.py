@@ -390,6 +390,11 @@ def _is_fp8_dot_cls(cls) -> bool:
   return isinstance(func, type) and issubclass(func, flinen.Fp8DotGeneral)
 
 
+def _is_plain_dot_cls(cls) -> bool:
+  """fp8jax.linen.DotGeneral: lax.dot_general (gathering a ZeRO-3 weight), convertible."""
+  return isinstance(cls, type) and issubclass(cls, flinen.DotGeneral)
+
+
 def _linen_kind(module: nn.Module) -> tuple[str, str] | None:
   """(kind, status) of a linen GEMM layer, None for other modules."""
   for cls, kind in _LINEN_KINDS:
@@ -398,8 +403,8 @@ def _linen_kind(module: nn.Module) -> tuple[str, str] | None:
         return kind, ALREADY_FP8
       if type(module).__call__ is not cls.__call__:
         return type(module).__name__, f"{type(module).__name__} overrides __call__"
-      if kind != "Einsum" and (module.dot_general_cls is not None
-                               or module.dot_general is not None):
+      if kind != "Einsum" and not _is_plain_dot_cls(module.dot_general_cls) and (
+          module.dot_general_cls is not None or module.dot_general is not None):
         return kind, ALREADY_FP8 if _is_fp8_dot_cls(module.dot_general_cls) \
             else "custom dot_general"
       return kind, CANDIDATE

@@ -11,6 +11,12 @@ under ``jax.checkpoint`` / ``nn.remat`` with a policy that saves that name (see
 The activation's cast (its FP8 residual, scale, amax) is tagged ``INPUT_CAST_NAME`` the same
 way.
 
+A weight that lives sharded (ZeRO-3, ``weight_shardings``, :mod:`fp8jax.fsdp`) is cast as its
+shard with the tensor's scale (the replicated state's delayed scale, or the global amax) and
+its E4M3 bytes are all-gathered for the GEMM; the residual is the cast shard (tagged
+``WEIGHT_CAST_NAME``), gathered again in the backward, and the weight gradient is summed
+over the devices in f32 into the shards.
+
 With ``Recipe(fused_cast_transpose=True)`` (GPU, native FP8) activations and output gradients
 are cast by one fused kernel (:mod:`fp8jax.kernels.cast_transpose`) that also writes their
 transposed FP8 copies and amaxes; the residual is the transposed activation, and the weight
@@ -44,7 +50,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from fp8jax import scaling
+from fp8jax import fsdp, scaling
 from fp8jax.hardware import active_plan, native_fp8_reason
 from fp8jax.kernels import cast_transpose as ct
 from fp8jax.recipe import Recipe
@@ -130,6 +136,10 @@ class _Config(NamedTuple):
   fused: bool = False  # activations / output gradients cast by the fused cast+transpose kernel
   weight_cast: bool = False  # the weight arrives cast (a WeightCast)
   activation: str | None = None  # x arrives before this activation (applied in the cast)
+  # (home, gathered, keep) for the canonical w: w lives sharded (home), its E4M3 cast is
+  # all-gathered for the GEMM and again in the backward (unless keep: the gathered bytes are
+  # the residual), its gradient reduce-scattered
+  w_gather: Any = None
 
 
 def _vma(x) -> frozenset:
@@ -263,16 +273,26 @@ def _fp8_matmul_fwd(x, w, meta: Fp8DotMeta, wc: WeightCast | None, cfg: _Config)
     sx = scaling.scale_for_cast(meta.input, ax, r, r.fwd_format)
     qx = qx_saved = scaling.quantize(x, sx, r.fwd_format)
   qx_saved, sx, ax = _name_cast(INPUT_CAST_NAME, qx_saved, sx, ax)
-  if wc is None:
+  if wc is None and cfg.w_gather is not None:  # cast the shard, gather its E4M3 bytes
+    qw, sw, aw = cast_weight(w, meta.kernel, r, cfg.amax_axes)
+    qw_saved, sw, aw = _name_cast(WEIGHT_CAST_NAME, fsdp.constrain_bits(qw, cfg.w_gather[0]),
+                                  sw, aw)
+    qw = fsdp.constrain_bits(qw_saved, cfg.w_gather[1])
+    if cfg.w_gather[2]:
+      qw_saved = qw
+  elif wc is None:
     qw, sw, aw = _name_cast(WEIGHT_CAST_NAME, *cast_weight(w, meta.kernel, r, cfg.amax_axes))
+    qw_saved = qw
   else:  # cast once outside (an input: nothing to save or recompute)
     qw, sw, aw = wc
+    qw_saved = qw
   k_axis = x.ndim - 1
   y = _mm(qx, qw, (k_axis, k_axis - 1), sx * sw, cfg.out_dtype, cfg.native, True)
   new_in = scaling.update_meta(meta.input, ax, r, r.fwd_format)
   new_k = scaling.update_meta(meta.kernel, aw, r, r.fwd_format)
   # Fused: the residual is x's transposed copy q_x_t[.., K, M], ready for the TN wgrad GEMM.
-  res = (qx_saved, qw, sx, sw, meta.output_grad, new_in, new_k, x_pre)
+  # Gathered weights keep only their shard; the backward gathers it again.
+  res = (qx_saved, qw_saved, sx, sw, meta.output_grad, new_in, new_k, x_pre)
   return (y, meta), res
 
 
@@ -286,17 +306,24 @@ def _fp8_matmul_bwd(cfg: _Config, res, cts):
     ag = scaling.compute_amax(g, cfg.amax_axes)
     sg = scaling.scale_for_cast(og_meta, ag, r, r.bwd_format)
     qg = scaling.quantize(g, sg, r.bwd_format)
+  if cfg.w_gather is not None and not cfg.w_gather[2]:  # gathered again, once g is here
+    qw = fsdp.constrain_bits(qw, cfg.w_gather[1], qg)
   m_axis = g.ndim - 2
   # dgrad: g[.., M, N] . w[.., K, N] over N -> [.., M, K]; wgrad: x[.., M, K] . g[.., M, N]
   # over M -> [.., K, N]. Both are E5M2 x E4M3.
   fast = r.bwd_fast_accumulation
   dx = _mm(qg, qw, (m_axis + 1, m_axis + 1), sg * sw, cfg.x_dtype, cfg.native, fast,
            cfg.x_sharding)
+  # A gathered weight's gradient is summed over the devices in f32 (reduce-scattered to the
+  # shards), then rounded once to w's dtype, as one device's GEMM output is.
+  w_out = jnp.float32 if cfg.w_gather is not None else cfg.w_dtype
   if cfg.fused:  # TN: q_x_t[.., K, M] . q_g_t[.., N, M] over M (both last) -> [.., K, N]
-    dw = _mm(qx, qg_t, (m_axis + 1, m_axis + 1), sx * sg, cfg.w_dtype, cfg.native, fast,
+    dw = _mm(qx, qg_t, (m_axis + 1, m_axis + 1), sx * sg, w_out, cfg.native, fast,
              cfg.w_sharding)
   else:
-    dw = _mm(qx, qg, (m_axis, m_axis), sx * sg, cfg.w_dtype, cfg.native, fast, cfg.w_sharding)
+    dw = _mm(qx, qg, (m_axis, m_axis), sx * sg, w_out, cfg.native, fast, cfg.w_sharding)
+  if cfg.w_gather is not None:
+    dw = lax.with_sharding_constraint(dw, cfg.w_gather[0]).astype(cfg.w_dtype)
   if cfg.activation:  # through the activation, recomputed from its input (elementwise)
     dx = jax.vjp(lambda x: ct.activate(x, cfg.activation), x_pre)[1](dx)[0]
   new_meta = Fp8DotMeta(new_in, new_k, scaling.update_meta(og_meta, ag, r, r.bwd_format))
@@ -350,10 +377,46 @@ def _check_weight_cast(wc, rhs, recipe: Recipe, vma: frozenset) -> None:
                      "weight (amaxes agreed over amax_axes)")
 
 
+def _canonical_spec(spec: P, shape, perm, groups) -> P | None:
+  """The spec of ``transpose(x, perm)`` reshaped by merging consecutive dims in `groups`
+  (their counts), for x of `shape` laid out as `spec`; None when a merged dim's layout is no
+  spec (a split dim of a group must be its first dim larger than 1, and the only split one)."""
+  entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+  dims = [(shape[i], entries[i]) for i in perm]
+  out, start = [], 0
+  for count in groups:
+    group, start = dims[start:start + count], start + count
+    split = [j for j, (_, e) in enumerate(group) if e is not None]
+    if len(split) > 1 or (split and any(n > 1 for n, _ in group[:split[0]])):
+      return None
+    out.append(group[split[0]][1] if split else None)
+  return P(*out)
+
+
+def _weight_gather(shardings, rhs_shape, dimension_numbers, rperm, vma: frozenset, keep: bool):
+  """(home, gathered, keep): shardings of the canonical weight ([B?, K, N]) for `shardings`
+  of the rhs, or None when the canonical layout cannot express them."""
+  if vma:
+    raise ValueError("weight_shardings inside shard_map is not supported; gather the weight "
+                     "with the collectives of fp8jax.parallel.collectives there")
+  if (not isinstance(shardings, (tuple, list)) or len(shardings) != 2
+      or not all(isinstance(s, jax.sharding.NamedSharding) for s in shardings)):
+    raise TypeError(f"weight_shardings must be a (home, gathered) pair of NamedShardings, got "
+                    f"{shardings!r}")
+  (_, rc), (_, rb) = dimension_numbers
+  groups = ((len(rb),) if len(rb) else ()) + (len(rc), len(rhs_shape) - len(rc) - len(rb))
+  specs = [_canonical_spec(s.spec, rhs_shape, rperm, groups) for s in shardings]
+  if any(s is None for s in specs):
+    return None
+  return tuple(jax.sharding.NamedSharding(s.mesh, c) for s, c in zip(shardings, specs)) + (
+      bool(keep),)
+
+
 def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
                             recipe: Recipe = Recipe(), *, preferred_element_type=None,
                             amax_axes: Sequence[str] = (), weight_cast: WeightCast | None = None,
-                            lhs_activation: str | None = None):
+                            lhs_activation: str | None = None, weight_shardings=None,
+                            keep_gathered_weight: bool = False):
   """FP8 ``lax.dot_general``; returns ``(out, meta_passthrough)``.
 
   `meta_passthrough` equals `meta`; hand it to the next call of the same layer so both
@@ -372,6 +435,14 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
       f32, rounded to lhs's dtype) instead of lhs; with ``Recipe.fused_cast_transpose`` the
       fused kernel applies it while casting, so the activation is never stored in bf16. The
       gradient goes to lhs through the activation.
+    weight_shardings: None, or ``(home, gathered)`` NamedShardings of rhs (ZeRO-3, see
+      :mod:`fp8jax.fsdp`): rhs lives as `home` (split over the ZeRO axes); its shard is cast
+      to the forward format with the tensor's scale and the FP8 bytes are all-gathered to
+      `gathered` for the GEMM (again in the backward, from the kept shard); rhs's gradient is
+      summed in f32 into the `home` layout, then rounded to rhs's dtype. Not with
+      `weight_cast`, not inside ``shard_map``.
+    keep_gathered_weight: with `weight_shardings`, keep the gathered FP8 weight for the
+      backward instead of its shard (for a GEMM under remat: ``fsdp.WeightGather``).
   """
   ct.check_activation(lhs_activation)
   if not isinstance(meta, Fp8DotMeta):
@@ -386,6 +457,15 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
   out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
   lperm, rperm, (b, m, k, n), batched, out_shape = _canonical_dims(lhs.shape, rhs.shape,
                                                                   dimension_numbers)
+  w_gather = None
+  if weight_shardings is not None:
+    if weight_cast is not None:
+      raise ValueError("weight_cast with weight_shardings is not supported: a weight cast "
+                       "outside is already whole; pass one or the other")
+    w_gather = _weight_gather(weight_shardings, rhs.shape, dimension_numbers, rperm,
+                              _vma(lhs) | _vma(rhs), keep_gathered_weight)
+    if w_gather is None:  # no canonical layout for them: gathered as it is, then cast
+      rhs = fsdp.gather_array(rhs, *weight_shardings)
   x = jnp.transpose(lhs, lperm).reshape((b, m, k) if batched else (m, k))
   w = jnp.transpose(rhs, rperm).reshape((b, k, n) if batched else (k, n))
   reason = native_fp8_reason() or _gemm_reason(m, k, n, out_dtype)
@@ -411,7 +491,7 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
   cfg = _Config(recipe, np.dtype(out_dtype).type, reason is None, tuple(amax_axes),
                 np.dtype(lhs.dtype).type, np.dtype(rhs.dtype).type, meta_vma,
                 *_explicit_shardings(x, w), fused=fused, weight_cast=weight_cast is not None,
-                activation=lhs_activation)
+                activation=lhs_activation, w_gather=w_gather)
   y, meta_out = _fp8_matmul(x, w, meta, weight_cast, cfg)
   return y.reshape(out_shape), meta_out
 

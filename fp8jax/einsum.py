@@ -133,19 +133,24 @@ def einsum_to_dot_general(eqn: str, lhs_shape: Sequence[int],
 
 def fp8_einsum(eqn: str, lhs: jax.Array, rhs: jax.Array, meta: Fp8DotMeta,
                recipe: Recipe = Recipe(), *, preferred_element_type=None,
-               amax_axes: Sequence[str] = ()):
+               amax_axes: Sequence[str] = (), weight_shardings=None,
+               keep_gathered_weight: bool = False):
   """Two-operand einsum whose contraction is an FP8 GEMM; returns ``(out, meta_passthrough)``.
 
-  Same contract as :func:`fp8jax.fp8_dot_general_chained` (`lhs` activations, `rhs` weights).
+  Same contract as :func:`fp8jax.fp8_dot_general_chained` (`lhs` activations, `rhs` weights;
+  `weight_shardings` are `rhs`'s, dropped when the equation sums axes out of `rhs` first:
+  XLA then lays the summed weight out).
   """
   d = einsum_to_dot_general(eqn, jnp.shape(lhs), jnp.shape(rhs))
   if d.lhs_sum:
     lhs = jnp.sum(lhs, axis=d.lhs_sum)
   if d.rhs_sum:
     rhs = jnp.sum(rhs, axis=d.rhs_sum)
+    weight_shardings = None
   y, meta = fp8_dot_general_chained(lhs, rhs, d.dimension_numbers, meta, recipe,
                                     preferred_element_type=preferred_element_type,
-                                    amax_axes=amax_axes)
+                                    amax_axes=amax_axes, weight_shardings=weight_shardings,
+                                    keep_gathered_weight=keep_gathered_weight)
   if d.out_perm != tuple(range(y.ndim)):
     y = jnp.transpose(y, d.out_perm)
   return y, meta

@@ -24,7 +24,7 @@ from flax import traverse_util
 import jax
 import jax.numpy as jnp
 
-from fp8jax import dot, einsum, scaling
+from fp8jax import dot, einsum, fsdp, scaling
 from fp8jax.kernels import cast_transpose
 from fp8jax.dot import Fp8DotMeta
 from fp8jax.recipe import Recipe
@@ -81,8 +81,22 @@ def _sow_cast_health(module, meta, lhs, rhs) -> None:
                  init_fn=lambda: jnp.zeros(()))
 
 
+def _weight_shardings(module: nn.Module, rhs) -> tuple[Any, bool]:
+  """((home, gathered) shardings of the weight `rhs` of `module`'s GEMM (its parent's
+  "kernel" parameter) under the active :class:`fp8jax.fsdp.WeightGather`, its keep_gathered);
+  (None, False) without one, or when the weight is not split over the ZeRO axes."""
+  gather = fsdp.active()
+  if gather is None:
+    return None, False
+  path = fsdp.key_path(module.scope.path[:-1] + ("kernel",))
+  return gather.shardings(path, jnp.shape(rhs)), gather.keep_gathered
+
+
 class Fp8DotGeneral(nn.Module):
   """Drop-in ``dot_general_cls`` for ``nn.Dense`` / ``nn.DenseGeneral`` running FP8 GEMMs.
+
+  Under an active :class:`fp8jax.fsdp.WeightGather` (ZeRO-3) the weight arrives as its shard
+  and the GEMM gathers its E4M3 cast (``fp8_dot_general_chained(weight_shardings=...)``).
 
   Attributes:
     recipe: FP8 formats and scaling rules.
@@ -104,10 +118,36 @@ class Fp8DotGeneral(nn.Module):
     if self.has_variable(WEIGHT_CAST_COLLECTION, "q"):  # cast once outside: cast_weights
       cast = dot.WeightCast(*(self.get_variable(WEIGHT_CAST_COLLECTION, f)
                               for f in dot.WeightCast._fields))
+    shardings, keep = (None, False) if cast is not None else _weight_shardings(self, rhs)
     out = _chained(self, lambda lhs, rhs, dn, meta: dot.fp8_dot_general_chained(
         lhs, rhs, dn, meta, self.recipe, preferred_element_type=preferred_element_type,
-        amax_axes=tuple(self.amax_axes), weight_cast=cast, lhs_activation=self.lhs_activation),
-        lhs, rhs, dimension_numbers, activation=self.lhs_activation)
+        amax_axes=tuple(self.amax_axes), weight_cast=cast, lhs_activation=self.lhs_activation,
+        weight_shardings=shardings, keep_gathered_weight=keep), lhs, rhs, dimension_numbers,
+        activation=self.lhs_activation)
+    if out_sharding is not None:
+      out = jax.lax.with_sharding_constraint(out, out_sharding)
+    return out
+
+
+class DotGeneral(nn.Module):
+  """``dot_general_cls`` for ``nn.Dense`` / ``nn.DenseGeneral`` running ``lax.dot_general``
+  (BF16 GEMMs), whose weight under an active :class:`fp8jax.fsdp.WeightGather` (ZeRO-3)
+  arrives as its shard and is gathered inside the GEMM
+  (:func:`fp8jax.fsdp.gathered_dot_general`).
+  """
+
+  @nn.compact
+  def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
+               out_sharding=None):
+    shardings, keep = _weight_shardings(self, rhs)
+    if shardings is None:
+      out = jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                                preferred_element_type=preferred_element_type)
+    else:
+      out = fsdp.gathered_dot_general(lhs, rhs, dimension_numbers, *shardings,
+                                      precision=precision,
+                                      preferred_element_type=preferred_element_type,
+                                      keep_gathered=keep)
     if out_sharding is not None:
       out = jax.lax.with_sharding_constraint(out, out_sharding)
     return out
@@ -121,9 +161,11 @@ class Fp8EinsumOp(nn.Module):
 
   @nn.compact
   def __call__(self, eqn: str, lhs, rhs, preferred_element_type=None):
+    shardings, keep = _weight_shardings(self, rhs)
     return _chained(self, lambda x, k, meta: einsum.fp8_einsum(
         eqn, x, k, meta, self.recipe, preferred_element_type=preferred_element_type,
-        amax_axes=tuple(self.amax_axes)), lhs, rhs)
+        amax_axes=tuple(self.amax_axes), weight_shardings=shardings,
+        keep_gathered_weight=keep), lhs, rhs)
 
 
 class Einsum(nn.Einsum):

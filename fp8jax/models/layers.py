@@ -28,6 +28,7 @@ Shapes: B batch, T sequence, D d_model, H heads, K head dim, F d_ff, V vocab.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Mapping
 from typing import Any, Callable
@@ -39,11 +40,11 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from fp8jax import FP8_COLLECTION, Recipe
+from fp8jax import FP8_COLLECTION, Recipe, fsdp
 from fp8jax.dot import INPUT_CAST_NAME, WEIGHT_CAST_NAME
 from fp8jax.hardware import DeviceReport, cudnn_attention_head_dim, local_report
 from fp8jax.linen import (HEALTH_COLLECTION, PERTURBATIONS, WEIGHT_CAST_COLLECTION,
-                          Fp8DotGeneral)
+                          DotGeneral, Fp8DotGeneral)
 
 DTYPES = ("bfloat16", "float32", "float16")
 PARAM_DTYPES = ("float32", "bfloat16")
@@ -197,27 +198,42 @@ causal_attention_saving_residuals.defvjp(_attention_fwd, _attention_bwd)
 
 
 def dense_kwargs(config, recipe: Recipe | None, std: float) -> dict:
-  """Common nn.Dense/DenseGeneral arguments: dtypes, init N(0, std), the FP8 GEMM."""
+  """Common nn.Dense/DenseGeneral arguments: dtypes, init N(0, std), the GEMM (FP8 with a
+  recipe; both gather a ZeRO-3 weight at use)."""
   kw = dict(use_bias=False, dtype=jnp.dtype(config.dtype),
             param_dtype=jnp.dtype(config.param_dtype),
             kernel_init=nn.initializers.normal(std))
-  if recipe is not None:
-    kw["dot_general_cls"] = functools.partial(Fp8DotGeneral, recipe=recipe)
+  kw["dot_general_cls"] = DotGeneral if recipe is None else functools.partial(
+      Fp8DotGeneral, recipe=recipe)
   return kw
 
 
 def f32_out_gemm(recipe: Recipe | None):
   """dot_general_cls whose GEMM (FP8 when `recipe` is given, else BF16) writes f32."""
   if recipe is None:
-    return lambda: functools.partial(lax.dot_general, preferred_element_type=jnp.float32)
+    return lambda: functools.partial(DotGeneral(), preferred_element_type=jnp.float32)
   return lambda: functools.partial(Fp8DotGeneral(recipe=recipe),
                                    preferred_element_type=jnp.float32)
 
 
-def norm(config, name: str):
+def gathered(cls, config, methods: tuple[str, ...] = ("__call__",)):
+  """Module class `cls`, or under an active ``fp8jax.fsdp.WeightGather`` (ZeRO-3) `cls` whose
+  `methods` read its parameters gathered (``fsdp.gather_tree``; GEMM weights in the model's
+  compute dtype ``config.dtype``, FP8 kernels left to their GEMM)."""
+  gather = fsdp.active()
+  if gather is None:
+    return cls
+  trans = functools.partial(fsdp.gather_tree, gather=gather, matrix_dtype=jnp.dtype(config.dtype))
+  return nn.map_variables(cls, "params", trans_in_fn=trans, methods=list(methods))
+
+
+def norm(config, name: str, gather: bool = False):
   """RMSNorm / LayerNorm (``config.norm``, epsilon ``config.norm_eps``) computed in f32:
-  x[..., D] -> [..., D] in the compute dtype."""
+  x[..., D] -> [..., D] in the compute dtype. `gather`: its gain is gathered at use
+  (:func:`gathered`; inside a layer the layer gathers it)."""
   cls = nn.RMSNorm if config.norm == "rmsnorm" else nn.LayerNorm
+  if gather:
+    cls = gathered(cls, config)
   layer = cls(epsilon=config.norm_eps, dtype=jnp.float32,
               param_dtype=jnp.dtype(config.param_dtype), name=name)
   return lambda x: layer(x.astype(jnp.float32)).astype(jnp.dtype(config.dtype))
@@ -370,12 +386,12 @@ class Decoder(nn.Module):
     cfg = self.config
     check_tokens(tokens, cfg, type(self).__name__)
     dtype = jnp.dtype(cfg.dtype)
-    embed = Embed(cfg.vocab_size, cfg.d_model, dtype=dtype,
-                  param_dtype=jnp.dtype(cfg.param_dtype),
-                  embedding_init=nn.initializers.normal(0.02), name="embed")
+    embed = gathered(Embed, cfg, ("__call__", "attend"))(
+        cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.dtype(cfg.param_dtype),
+        embedding_init=nn.initializers.normal(0.02), name="embed")
     x = nn.Dropout(cfg.dropout_rate, deterministic=deterministic)(embed(tokens))
     x = self._layer_stack(x, self.rope(tokens.shape[1]), deterministic)
-    x = norm(cfg, "norm_final")(x)
+    x = norm(cfg, "norm_final", gather=True)(x)
     if cfg.tie_embeddings:
       return embed.attend(x).astype(jnp.float32)
     return self._head(x)
@@ -385,9 +401,13 @@ class Decoder(nn.Module):
     no collection is being written) unrolled over layer slices of the same stacked variables."""
     writing = self.is_initializing() or any(
         self.is_mutable_collection(c) for c in (HEALTH_COLLECTION, PERTURBATIONS))
-    if scans_layers(self.config) or writing:
-      return self._layers(deterministic)(x, rope)[0]
-    return self._unrolled(x, rope, deterministic)
+    gather = fsdp.active()
+    if gather is not None and self.config.remat:  # the recomputation gathers the weights
+      gather = dataclasses.replace(gather, keep_gathered=True)  # again: its GEMMs keep them
+    with fsdp.gathering(gather):
+      if scans_layers(self.config) or writing:
+        return self._layers(deterministic)(x, rope)[0]
+      return self._unrolled(x, rope, deterministic)
 
   def _unrolled(self, x, rope, deterministic: bool):
     """The blocks as n_layers calls, each on its layer's slice of the variables nn.scan
@@ -400,9 +420,12 @@ class Decoder(nn.Module):
     block = Block(cfg, self.recipe, deterministic, parent=None)
     dropout = not deterministic and cfg.dropout_rate > 0
     rngs = jax.random.split(self.make_rng("dropout"), cfg.n_layers) if dropout else None
+    gather = fsdp.active()
 
     def layer(variables, x, rope, rng):
-      return block.apply(variables, x, rope, rngs={"dropout": rng} if dropout else None)[0]
+      params = fsdp.gather_tree(variables["params"], gather, matrix_dtype=jnp.dtype(cfg.dtype))
+      return block.apply({**variables, "params": params}, x, rope,
+                         rngs={"dropout": rng} if dropout else None)[0]
 
     if cfg.remat:  # outside a scan's loop XLA would merge the recomputation into the forward
       layer = jax.checkpoint(layer, prevent_cse=True, policy=remat_policy(cfg))
@@ -411,10 +434,11 @@ class Decoder(nn.Module):
     return x
 
   def _layers(self, deterministic: bool) -> nn.Module:
-    """The n_layers blocks under nn.scan (and nn.remat when configured)."""
-    block = Block
+    """The n_layers blocks under nn.scan (and nn.remat when configured); each gathers its
+    layer's parameters inside the loop (ZeRO-3, :func:`gathered`)."""
+    block = Block if self.is_initializing() else gathered(Block, self.config)
     if self.config.remat:
-      block = nn.remat(Block, prevent_cse=False, policy=remat_policy(self.config))
+      block = nn.remat(block, prevent_cse=False, policy=remat_policy(self.config))
     stacked = {"params": 0, FP8_COLLECTION: 0, HEALTH_COLLECTION: 0, PERTURBATIONS: 0,
                WEIGHT_CAST_COLLECTION: 0}
     scanned = nn.scan(block, variable_axes=stacked,
@@ -427,7 +451,7 @@ class Decoder(nn.Module):
     cfg = self.config
     kw = dense_kwargs(cfg, None, cfg.d_model ** -0.5)
     kw["dot_general_cls"] = f32_out_gemm(self.recipe)
-    return nn.Dense(cfg.vocab_size, name="head", **kw)(x).astype(jnp.float32)
+    return gathered(nn.Dense, cfg)(cfg.vocab_size, name="head", **kw)(x).astype(jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

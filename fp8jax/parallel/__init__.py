@@ -4,8 +4,9 @@ offload, and ``initialize()`` for multi-host runs.
 * :mod:`fp8jax.parallel.mesh`: :func:`make_mesh` (axes "data", "fsdp", "tensor"; -1 fills),
   :func:`mesh_from_config`, :func:`device_kinds`, :func:`describe`.
 * :mod:`fp8jax.parallel.zero`: :func:`state_shardings`, :func:`plan` -> :class:`ZeroPlan`
-  (where the state lives, how weights are gathered and gradients laid out),
-  :func:`gather_params` (FP8 weight all-gather), :func:`reduce_gradients`.
+  (where the state lives, how weights are gathered and gradients laid out: stage 3 per use,
+  ``ZeroPlan.weight_gather`` and :mod:`fp8jax.fsdp`), :func:`gather_params` (the whole
+  model at once, for the per-group loop), :func:`reduce_gradients`.
 * :mod:`fp8jax.parallel.layout`: batch placement and data-parallel groups.
 * :mod:`fp8jax.parallel.grad_comm`: gradient sums over groups inside ``shard_map`` (f32 or
   FP8 reduce-scatter with its scaling state).

@@ -12,14 +12,16 @@ replicate across "data", i.e. hybrid sharding):
   updated parameters are all-gathered.
 * stage 2: also gradients: each microbatch's gradients are constrained to the sharded layout,
   so XLA reduce-scatters instead of all-reducing and the accumulators are 1/N.
-* stage 3: also the (master) parameters. The forward all-gathers them: kernels of FP8 GEMMs
-  (levels O1..O3) travel as E4M3 with an f32 scale (per tensor, per layer when stacked under a
-  scan), 1 byte per parameter; other parameters travel in the master payload dtype (FP16 with
-  a power-of-two scale at O2/O3, which is lossless) or as they are stored (f32 at O0/O1). The
-  backward pass is straight-through: the gathered weight's gradient is reduce-scattered.
-  The FP8 dot then casts the gathered kernel (held in BF16) again with its own (delayed)
-  scale: the weight sees two E4M3 roundings per step instead of one (within FP8 tolerance,
-  see the tests).
+* stage 3: also the (master) parameters, which stay sharded between uses: the step runs the
+  loss under the plan's :meth:`ZeroPlan.weight_gather` (:mod:`fp8jax.fsdp`), so each
+  parameter is gathered where the model uses it (per layer, inside the layer scan) and its
+  gradient reduce-scattered there. Kernels of FP8 GEMMs (levels O1..O3) are cast to E4M3 as
+  shards with the tensor's scale and all-gathered as those bytes (1 per parameter), which the
+  GEMM multiplies directly: one rounding per step, as on one device. Other parameters cross
+  in the model's compute dtype (GEMM weights) or the master payload dtype (FP16 with a
+  power-of-two scale at O2/O3, lossless) or as stored (f32 at O0/O1).
+  The per-group loop (``shard_map``) still gathers the whole model before its loop
+  (:meth:`ZeroPlan.gather_fn`: FP8 kernels as E4M3 + scale, cast again by their GEMM).
 
 Rule per array: shard the largest dimension divisible by the product of the ZeRO axes' sizes
 (the first such on ties); replicate arrays where none divides, scalars, and the FP8 meta.
@@ -45,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from fp8jax.fsdp import WeightGather, constrain_bits
 from fp8jax.optim.scaled import quantize_scaled
 from fp8jax.parallel.combine import combine_options
 from fp8jax.parallel.layout import batch_sharding, put_global
@@ -155,19 +158,6 @@ def reduce_gradients(grads, mesh: Mesh, stage: int, axes: Sequence[str] = ZERO_A
   return _constrain(grads, mesh, axes, stage >= 2, rules)
 
 
-def _replicate_bits(x, rep: NamedSharding):
-  """`x` constrained to `rep`, travelling as its raw bits (uint of its width).
-
-  XLA's CPU backend (and any backend without native FP8 arithmetic) widens FP8 ops, the
-  all-gather included, and the simplifier may move a convert across it; carrying the payload
-  as unsigned bits between optimization barriers pins a 1-byte (FP8) / 2-byte (FP16) gather.
-  """
-  bits = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
-  b = jax.lax.optimization_barrier(jax.lax.bitcast_convert_type(x, bits))
-  b = jax.lax.optimization_barrier(jax.lax.with_sharding_constraint(b, rep))
-  return jax.lax.bitcast_convert_type(b, x.dtype)
-
-
 def _gather_leaf(path, x, mesh: Mesh, axes, dtype, rules: Sequence = GPT_RULES):
   """`x` replicated over the ZeRO axes (tensor-parallel dimensions stay split), travelling in
   `dtype` (None: as it is) with a straight-through gradient that is reduce-scattered back to
@@ -181,7 +171,7 @@ def _gather_leaf(path, x, mesh: Mesh, axes, dtype, rules: Sequence = GPT_RULES):
     quantize = lambda t: quantize_scaled(t, dtype, power_of_two=dtype != FP8_GATHER_DTYPE)
     per_slice = x.ndim >= 3  # stacked over scanned layers: one scale per layer
     q = jax.vmap(quantize)(x) if per_slice else quantize(x)
-    data = _replicate_bits(q.data, rep)
+    data = constrain_bits(q.data, rep)
     scale = q.scale.reshape(q.scale.shape + (1,) * (x.ndim - q.scale.ndim))
     # An FP8 kernel is re-quantized by its GEMM: BF16 holds it for that at half the bytes of
     # f32 (the gathered model is the largest buffer of a stage-3 step).
@@ -197,9 +187,25 @@ def _gather_leaf(path, x, mesh: Mesh, axes, dtype, rules: Sequence = GPT_RULES):
   return gather(x)
 
 
+@dataclasses.dataclass(frozen=True)
+class LeafSpecs:
+  """``(path, shape) -> (home, gathered)`` PartitionSpecs of a parameter as
+  :func:`leaf_spec` lays it out, sharded over `axes` and not (``fp8jax.fsdp.Specs``)."""
+
+  mesh: Mesh
+  axes: tuple[str, ...]
+  rules: tuple = GPT_RULES
+
+  def __call__(self, path: str, shape) -> tuple[P, P]:
+    tensor = tensor_dim(path, shape, self.mesh, self.rules)
+    return (shard_spec(shape, self.mesh, self.axes, tensor),
+            shard_spec(shape, self.mesh, (), tensor))
+
+
 def gather_params(params, mesh: Mesh, *, fp8_kernels: bool, payload_dtype=None,
                   axes: Sequence[str] = ZERO_AXES, rules: Sequence = GPT_RULES):
-  """Stage-3 forward weights: every leaf all-gathered (see the module docstring).
+  """Stage-3 forward weights gathered all at once, before the forward (the per-group
+  loop's gather; the uniform step gathers per use, :meth:`ZeroPlan.weight_gather`).
 
   Args:
     params: the model's parameters (decoded master weights), sharded.
@@ -230,7 +236,8 @@ class ZeroPlan:
     batch: NamedSharding of a batch int32[B, T+1].
     axes: mesh axes the ZeRO state is sharded over.
     offload: optimizer state kept in host memory between steps.
-    fp8_gather: stage 3 gathers FP8 kernels in E4M3 + scale.
+    fp8_gather: the per-group loop's stage-3 gather (:meth:`gather_fn`) sends FP8 kernels
+      as E4M3 + scale (the uniform step's GEMMs gather their own weights as E4M3).
     payload_dtype: dtype other stage-3 parameters are gathered in (None: as stored).
     compiler_options: XLA compile options of the step (``combine.combine_options``).
   """
@@ -254,9 +261,19 @@ class ZeroPlan:
     """A global batch int32[B, T+1] (same on every process) placed on the mesh."""
     return put_global(batch, self.batch)
 
+  def weight_gather(self) -> WeightGather | None:
+    """Stage 3: how the step gathers each parameter where it is used
+    (:mod:`fp8jax.fsdp`: kernels inside their GEMM, as E4M3 bytes for FP8 GEMMs; other
+    parameters in this plan's payload dtype); None below."""
+    if self.stage < 3:
+      return None
+    return WeightGather(self.mesh, LeafSpecs(self.mesh, self.axes, self.rules),
+                        payload_dtype=self.payload_dtype)
+
   def gather_fn(self) -> Callable | None:
-    """Stage 3: ``params -> params`` all-gathering the forward weights as :func:`gather_params`
-    does with this plan's payloads (FP8 kernels travel as E4M3 bits + scale); None below."""
+    """Stage 3: ``params -> params`` all-gathering the whole model's forward weights at once
+    as :func:`gather_params` does with this plan's payloads (FP8 kernels travel as E4M3 bits +
+    scale), for the per-group loop; None below."""
     if self.stage < 3:
       return None
     return lambda p: gather_params(p, self.mesh, fp8_kernels=self.fp8_gather,

@@ -98,7 +98,8 @@ class Trainer:
     self.steps = build.StepCache(
         self.config, self.tx, self.plan, self._fused_update,
         self.balanced_counts if self.group_seconds is not None else None)
-    self._eval = jax.jit(make_eval_step(self.calibration.model.apply))
+    self._eval = jax.jit(make_eval_step(self.calibration.model.apply,
+                                         self.plan.weight_gather()))
     linen = isinstance(first, nn.Module)  # (the probe reads linen collections)
     self._health = self._health_probe() if recipe is not None and linen else None
 

@@ -2,7 +2,10 @@
 
 One step ``(state, batch[, counts]) -> (state, metrics)`` is put together from:
 
-* weight gather (ZeRO-3: ``gather_params``, FP8 kernels as E4M3 + scale; none below);
+* weight gather (ZeRO-3): in the uniform loop the loss is traced under the plan's
+  ``fp8jax.fsdp.WeightGather``, so the model gathers each parameter where it uses it (FP8
+  kernels as E4M3 bytes inside their GEMM, per layer inside the layer scan); the group loop
+  gathers the whole model once before ``shard_map`` (``gather_params``); none below stage 3;
 * the microbatch loop: :func:`scan_microbatches` (every device runs the same static number of
   microbatches of the global batch, XLA places the collectives) or :func:`group_microbatches`
   (inside ``jax.shard_map``: each data-parallel group loops over its own number of
@@ -36,6 +39,7 @@ import optax
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from fp8jax import fsdp
 from fp8jax.accumulate import accumulate_gradients, accumulator_zeros, widen
 from fp8jax.linen import FP8_COLLECTION, apply_fp8_updates
 from fp8jax.optim import MasterWeights, apply_master_updates
@@ -178,6 +182,7 @@ def group_microbatches(grad_fn: Callable, loop: GroupLoop, variables, batch, cou
 def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microbatches: int = 1,
                     *, groups: GroupLoop | None = None,
                     gather_params: Callable | None = None,
+                    weight_gather: fsdp.WeightGather | None = None,
                     reduce_gradients: Callable | None = None,
                     fused_update: Callable | None = None,
                     cast_weights: Callable | None = None,
@@ -198,6 +203,9 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
     gather_params: optional ``params -> params`` applied before the forward (ZeRO-3's weight
       all-gather, ``ZeroPlan.gather_fn``): differentiated in the uniform loop (its gradient is
       reduce-scattered back); applied once before ``shard_map`` in the group loop.
+    weight_gather: optional ``fp8jax.fsdp.WeightGather`` (ZeRO-3, ``ZeroPlan.weight_gather``)
+      the loss and its gradient are traced under: the model gathers its sharded parameters
+      where it uses them. Uniform loop only.
     reduce_gradients: optional ``grads -> grads`` applied to each microbatch's f32 parameter
       gradients (uniform loop: ZeRO's all-reduce / reduce-scatter layout).
     fused_update: optional ``(master, opt_state, grads, finite, grad_norm) -> (master,
@@ -205,19 +213,26 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
       (:func:`fp8jax.train.optimizer.make_fused_update`).
     cast_weights: optional ``variables -> extra collections`` computed once per step before
       the microbatch loop (``fp8jax.linen.cast_weights``: FP8 weights cast once per optimizer
-      step, not once per microbatch); uniform loop only, not with `gather_params`.
+      step, not once per microbatch); uniform loop only, not with `gather_params` or
+      `weight_gather` (the weights are gathered at use).
     matrix_dtype: optional dtype the FP16 master weights' GEMM weights are decoded to for the
       forward and backward (the model's compute dtype, exact for a model that casts them to
-      it before use); gradients are still summed, reduced and clipped in f32. Uniform loop
-      only, not with `gather_params`.
+      it before use; with `weight_gather` the shards are decoded); gradients are still
+      summed, reduced and clipped in f32. Uniform loop only, not with `gather_params`.
   Metrics: loss (mean over the step's tokens), grad_norm (before clipping); with automatic
   comm scaling also comm_pre_scale_min and comm_saturated_max over the FP8 leaves.
   """
   if microbatches < 1:
     raise ValueError(f"microbatches={microbatches!r} is not allowed; use an integer >= 1")
-  if cast_weights is not None and gather_params is not None:
-    raise ValueError("cast_weights with gather_params is not supported: the weights are "
-                     "gathered per microbatch (ZeRO-3); cast them there")
+  if cast_weights is not None and (gather_params, weight_gather) != (None, None):
+    raise ValueError("cast_weights with gather_params or weight_gather is not supported: the "
+                     "weights are gathered per microbatch (ZeRO-3); cast them there")
+  if weight_gather is not None and not isinstance(weight_gather, fsdp.WeightGather):
+    raise TypeError(f"weight_gather must be an fp8jax.fsdp.WeightGather, got "
+                    f"{type(weight_gather).__name__}")
+  if weight_gather is not None and (groups, gather_params) != (None, None):
+    raise ValueError("weight_gather belongs to the uniform loop and replaces gather_params; "
+                     "pass one of them")
   if matrix_dtype is not None and gather_params is not None:
     raise ValueError("matrix_dtype with gather_params is not supported: ZeRO-3 gathers the "
                      "master weights' payloads itself")
@@ -232,7 +247,8 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
       if gather is not None:
         v = {**v, "params": gather(v["params"])}
       return next_token_loss(apply_fn, {**v, **(extra or {})}, part)
-    loss, g = jax.value_and_grad(loss_of)(variables)
+    with fsdp.gathering(weight_gather):
+      loss, g = jax.value_and_grad(loss_of)(variables)
     if reduce_gradients is not None:
       g = {**g, "params": reduce_gradients(jax.tree.map(widen, g["params"]))}
     return loss, g
@@ -320,9 +336,13 @@ def apply_gradients(state: TrainState, tx: optax.GradientTransformation, grads, 
   return new_state, {"loss": loss, "grad_norm": grad_norm}
 
 
-def make_eval_step(apply_fn: Callable):
-  """A jittable ``eval_step(state, batch) -> mean loss`` (FP8 state is not updated)."""
-  return lambda state, batch: next_token_loss(apply_fn, state.variables(), batch)
+def make_eval_step(apply_fn: Callable, weight_gather: fsdp.WeightGather | None = None):
+  """A jittable ``eval_step(state, batch) -> mean loss`` (FP8 state is not updated);
+  `weight_gather`: as for :func:`make_train_step` (ZeRO-3: parameters gathered at use)."""
+  def eval_step(state, batch):
+    with fsdp.gathering(weight_gather):
+      return next_token_loss(apply_fn, state.variables(), batch)
+  return eval_step
 
 
 class TrainStep(NamedTuple):
@@ -365,15 +385,15 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
 
   The loop is per group when `counts` is given or `grad_comm` is "fp8" (every group then
   runs all microbatches on its 1/G of each: the uniform split); else the uniform loop with
-  the plan's gradient layout (`cast_weights` and `matrix_dtype` apply there below ZeRO-3 and
-  are not used elsewhere).
+  the plan's gradient layout, ZeRO-3 gathering each parameter where the model uses it
+  (`cast_weights` applies there below ZeRO-3, `matrix_dtype` at every stage; neither is used
+  in the per-group loop).
   """
   mesh = plan.mesh
   per_group = counts is not None or grad_comm == "fp8"
   if (counts is not None or dynamic) and microbatch_size is None:
     raise ValueError("build_step: counts and dynamic need microbatch_size (sequences per "
                      "microbatch)")
-  gather = plan.gather_fn()
   sharding = plan.batch  # the batch axes (not the ZeRO axes, which may be fewer)
   sizes = range(1, microbatches + 1) if dynamic else (microbatches,)
 
@@ -402,7 +422,8 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
       split = lambda k: (k,) * n
       arrange = lambda batch, k, c: layout.layout_split(batch, k, n)
     slots = max(max(split(k)) for k in sizes)
-    step = make_train_step(apply_fn, tx, microbatches, groups=loop, gather_params=gather,
+    step = make_train_step(apply_fn, tx, microbatches, groups=loop,
+                           gather_params=plan.gather_fn(),
                            fused_update=fused_update)
 
     def place(batch):
@@ -413,11 +434,11 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
               layout.put_global(np.asarray(c, np.int32), sharding))
     batch_shardings: tuple = (sharding, sharding)
   else:
-    below3 = gather is None
-    step = make_train_step(apply_fn, tx, microbatches, gather_params=gather,
+    weight_gather = plan.weight_gather()
+    step = make_train_step(apply_fn, tx, microbatches, weight_gather=weight_gather,
                            reduce_gradients=plan.reduce_fn(), fused_update=fused_update,
-                           cast_weights=cast_weights if below3 else None,
-                           matrix_dtype=matrix_dtype if below3 else None)
+                           cast_weights=cast_weights if weight_gather is None else None,
+                           matrix_dtype=matrix_dtype)
     if dynamic:
       rows, scalar = microbatches * microbatch_size, layout.replicated(mesh)
       place = lambda batch: (layout.put_global(_pad_to(batch, 0, rows), sharding),

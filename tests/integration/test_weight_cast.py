@@ -200,6 +200,7 @@ def test_bad_weight_casts_are_refused(key):
   with pytest.raises(TypeError, match="weight_cast must be an fp8jax.dot.WeightCast"):
     fp8jax.dot.fp8_dot_general_chained(x, w, dn, meta, RECIPE, weight_cast=tuple(good))
   from fp8jax.train.step import make_train_step
-  with pytest.raises(ValueError, match="cast_weights with gather_params is not supported"):
+  with pytest.raises(ValueError, match="cast_weights with gather_params or weight_gather is not "
+                                       "supported"):
     make_train_step(lambda v, t: t, None, 2, gather_params=lambda p: p,
                     cast_weights=lambda v: {})

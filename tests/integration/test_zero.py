@@ -1,6 +1,7 @@
-"""ZeRO 0-3 on 8 CPU devices: same training as one device (within FP8 tolerance), state bytes
+"""ZeRO 0-3 on 8 CPU devices: same training as one device (to summation order), state bytes
 per device fall as 1/N, the stage-3 weight all-gather moves 1-byte FP8 payloads, optimizer
-offload keeps state in host memory, bad meshes and stages give clear errors."""
+offload keeps state in host memory, bad meshes and stages give clear errors. (Stage 3's
+per-layer gathers and its memory: tests/integration/test_fsdp.py.)"""
 import os
 import re
 
@@ -56,43 +57,22 @@ def _rel(a, b) -> float:
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def _kernels_through_e4m3(params):
-  """Every kernel rounded to E4M3 with its own scale (per layer when stacked) and held in
-  BF16, gradients straight through: what stage 3's FP8 all-gather does to the weights (all tiny kernels
-  shard over 8 devices)."""
-  def round_trip(x):  # E4M3 with its scale, decoded to BF16 (as the gather holds it)
-    q = fp8_optim.quantize_scaled(x, jnp.float8_e4m3fn)
-    return (q.data.astype(jnp.float32) * q.scale).astype(jnp.bfloat16).astype(x.dtype)
-
-  def one(path, x):
-    if jax.tree_util.keystr(path).endswith("['kernel']"):
-      rt = jax.vmap(round_trip)(x) if x.ndim >= 3 else round_trip(x)
-      return x + jax.lax.stop_gradient(rt - x)
-    return x
-  return jax.tree_util.tree_map_with_path(one, params)
-
-
 @pytest.fixture(scope="module")
 def runs():
-  """Two steps of the tiny decoder at O3 on fresh random tokens: single device (plain, and
-  with stage 3's FP8 weight round trip), and ZeRO 1, 2 and 3 (optimizer offloaded) on 8
-  devices."""
+  """Two steps of the tiny decoder at O3 on fresh random tokens: single device, and ZeRO 1, 2
+  and 3 (optimizer offloaded) on 8 devices."""
   seed = int(os.environ.get("FP8JAX_TEST_SEED", np.random.SeedSequence().entropy % (1 << 31)))
   print(f"runs: seed {seed}")
   batches_ = batches(seed)
   model, tx, init = _setup()
   out = {"init": _flat(init().model_params()), "seed": seed}
 
-  def single(gather=None):
-    step = jax.jit(make_train_step(model.apply, tx, MICROBATCHES, gather_params=gather))
-    state, metrics = init(), []
-    for b in batches_:
-      state, m = step(state, b)
-      metrics.append(jax.device_get(m))
-    return _flat(state.model_params()), metrics
-
-  out["ref"] = single()
-  out["ref_fp8_gather"] = single(_kernels_through_e4m3)
+  step = jax.jit(make_train_step(model.apply, tx, MICROBATCHES))
+  state, metrics = init(), []
+  for b in batches_:
+    state, m = step(state, b)
+    metrics.append(jax.device_get(m))
+  out["ref"] = _flat(state.model_params()), metrics
   mesh = parallel.make_mesh(data=4, fsdp=2)
   for stage, offload in ((1, False), (2, False), (3, True)):
     plan = parallel.plan(init(), mesh, stage, level=LEVEL, offload=offload)
@@ -110,20 +90,18 @@ def runs():
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_steps_match_single_device(runs, stage):
+  """Every stage is one device's math in another summation order (stage 3 casts each weight
+  shard to E4M3 with the tensor's global scale and multiplies the gathered bytes: one
+  rounding, as on one device). An amax that differs in the last bit can move a delayed
+  scale and some E4M3 roundings with it, and Adam's first steps are nearly sign(g), so the
+  update compares to 5% (20 seeds at stage 3: 7.4e-3 at most) and the first loss to 1e-4
+  relative (1.6e-7 at most)."""
   p0, (ref, ref_m) = runs["init"], runs["ref"]
   got, got_m, state, _ = runs[(stage, stage == 3)]
   assert np.isfinite(got).all() and np.linalg.norm(ref - p0) > 0
   update_err = _rel(got - p0, ref - p0)
-  if stage < 3:  # same math, other summation order
-    assert update_err < 0.05, update_err
-    assert abs(got_m[0]["loss"] - ref_m[0]["loss"]) < 1e-4 * ref_m[0]["loss"]
-  else:  # same as one device whose kernels take the same E4M3 round trip ...
-    fp8_ref, fp8_m = runs["ref_fp8_gather"]
-    assert _rel(got - p0, fp8_ref - p0) < 0.05
-    assert abs(got_m[0]["loss"] - fp8_m[0]["loss"]) < 1e-4 * fp8_m[0]["loss"]
-    # ... which is within FP8 tolerance of the plain step (one extra rounding of the weights)
-    assert update_err < 0.6, update_err
-    assert abs(got_m[0]["loss"] - ref_m[0]["loss"]) < 0.02 * ref_m[0]["loss"]
+  assert update_err < 0.05, update_err
+  assert abs(got_m[0]["loss"] - ref_m[0]["loss"]) < 1e-4 * ref_m[0]["loss"]
   assert abs(got_m[-1]["grad_norm"] - ref_m[-1]["grad_norm"]) < 0.1 * ref_m[-1]["grad_norm"]
 
 
@@ -140,17 +118,19 @@ def test_stage_layouts(runs):
 
 
 def test_stage3_gathers_kernels_as_one_byte_payloads(runs):
+  """Every all-gather of a kernel (one layer's, as its GEMM multiplies it: [contraction,
+  output]) moves u8, the E4M3 bits; stage 1 gathers updated parameters, never a 1-byte
+  payload."""
   hlo = runs[(3, True)][3]
   gathers = re.findall(r"= (\w+)\[([\d,]*)\][^ ]* all-gather\(", hlo)
-  kernel_shapes = {tuple(np.shape(x)) for path, x in jax.tree_util.tree_flatten_with_path(
-      runs[(3, True)][2].params)[0] if "kernel" in jax.tree_util.keystr(path)}
-  by_shape = {}
+  d, f, v = TINY.d_model, TINY.d_ff, TINY.vocab_size
+  kernels = {(d, 3 * d), (d, d), (d, f), (f, d), (d, v)}  # qkv, out, fc_in, fc_out, head
+  by_shape: dict = {}
   for dtype, dims in gathers:
-    by_shape.setdefault(tuple(int(d) for d in dims.split(",") if d), set()).add(dtype)
-  kernel_gathers = {s: d for s, d in by_shape.items() if s in kernel_shapes}
-  assert kernel_gathers, (kernel_shapes, by_shape)
+    by_shape.setdefault(tuple(int(x) for x in dims.split(",") if x), set()).add(dtype)
+  kernel_gathers = {shape: d for shape, d in by_shape.items() if shape in kernels}
+  assert set(kernel_gathers) == kernels, by_shape
   assert all(d == {"u8"} for d in kernel_gathers.values()), kernel_gathers  # E4M3 bits
-  # stage 1 gathers updated parameters, never a 1-byte payload
   assert "u8[" not in " ".join(d for d, _ in re.findall(
       r"= (\w+)\[([\d,]*)\][^ ]* all-gather\(", runs[(1, False)][3]))
 
@@ -258,7 +238,7 @@ def test_multi_process_zero3_matches_single_process(runs, tmp_path, processes):
   p0, got = runs["init"], np.load(out)
   single = runs[(3, True)][0]
   assert _rel(got - p0, single - p0) < 0.05
-  assert _rel(got - p0, runs["ref_fp8_gather"][0] - p0) < 0.05
+  assert _rel(got - p0, runs["ref"][0] - p0) < 0.05
 
 
 def test_bucket_sizes_become_valid_xla_combine_options():
