@@ -5,8 +5,7 @@ offload, and ``initialize()`` for multi-host runs.
   :func:`mesh_from_config`, :func:`device_kinds`, :func:`describe`.
 * :mod:`fp8jax.parallel.zero`: :func:`state_shardings`, :func:`plan` -> :class:`ZeroPlan`
   (where the state lives, how weights are gathered and gradients laid out: stage 3 per use,
-  ``ZeroPlan.weight_gather`` and :mod:`fp8jax.fsdp`), :func:`gather_params` (the whole
-  model at once, for the per-group loop), :func:`reduce_gradients`.
+  ``ZeroPlan.weight_gather`` and :mod:`fp8jax.fsdp`), :func:`reduce_gradients`.
 * :mod:`fp8jax.parallel.layout`: batch placement and data-parallel groups.
 * :mod:`fp8jax.parallel.grad_comm`: gradient sums over groups inside ``shard_map`` (f32 or
   FP8 reduce-scatter with its scaling state).
@@ -24,13 +23,13 @@ from fp8jax.parallel import combine
 from fp8jax.parallel.layout import batch_sharding, put_global
 from fp8jax.parallel.mesh import AXES, BATCH_AXES, DATA, FSDP, TENSOR, describe, device_kinds, \
     make_mesh, mesh_from_config, mesh_shape
-from fp8jax.parallel.zero import STAGES, ZERO_AXES, ZeroPlan, device_bytes, gather_params, \
-    plan, reduce_gradients, shard_spec, state_shardings, to_host
+from fp8jax.parallel.zero import STAGES, ZERO_AXES, ZeroPlan, device_bytes, plan, \
+    reduce_gradients, shard_spec, state_shardings, to_host
 
 __all__ = [
     "combine", "initialize",
     "AXES", "BATCH_AXES", "DATA", "FSDP", "TENSOR", "describe", "device_kinds", "make_mesh",
     "mesh_from_config", "mesh_shape",
-    "STAGES", "ZERO_AXES", "ZeroPlan", "batch_sharding", "device_bytes", "gather_params",
+    "STAGES", "ZERO_AXES", "ZeroPlan", "batch_sharding", "device_bytes",
     "plan", "put_global", "reduce_gradients", "shard_spec", "state_shardings", "to_host",
 ]

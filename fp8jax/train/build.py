@@ -303,7 +303,9 @@ class StepCache:
           grad_comm=c.grad_comm(), comm_scaling=c.parallel.grad_comm_scaling,
           growth_interval=c.grad_comm_growth_interval(), fused_update=self.fused_update,
           cast_weights=weight_cast_fn(c, model, microbatches),
-          matrix_dtype=c.model.dtype if c.model.builder is None else None))
+          matrix_dtype=c.model.dtype if c.model.builder is None else None,
+          gathers_at_use=getattr(model, "gathers_at_use", False),
+          layer_stacks=getattr(model, "layer_stacks", ())))
     return self._steps[key][1]
 
   def built(self) -> list[tuple]:
