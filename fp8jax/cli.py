@@ -5,10 +5,13 @@ decoder; ``fp8jax plot RUN_DIR...``: overlays runs' loss curves and FP8 scales i
 ``fp8jax launch -n N [--max-restarts R] -- COMMAND``: N supervised local processes
 (``fp8jax.launch``). ``fp8jax profile --config C``: seconds per microbatch vs microbatch size
 on this device kind (``fp8jax.train.profile``), written as a throughput profile
-(``fp8jax.parallel.profile``). ``fp8jax convert-hf RUN_DIR OUT_DIR``: a llama run's checkpoint in the Hugging Face layout
-(``fp8jax.train.export``); ``fp8jax tokenizer train``: a byte-level BPE tokenizer
-(``fp8jax.data.train_tokenizer``). ``fp8jax check``: lists the devices, says whether FP8 GEMMs run
-natively or emulated (and why), and compares one Dense layer's forward+backward in FP8
+(``fp8jax.parallel.profile``). ``fp8jax convert-hf RUN_DIR OUT_DIR``: a llama run's
+checkpoint in the Hugging Face layout (``fp8jax.train.export``); ``fp8jax tokenizer train``: a
+byte-level BPE tokenizer (``fp8jax.data.train_tokenizer``). ``fp8jax simulate --cluster C
+--config F``: predicted step time and memory of a (mixed) cluster (``fp8jax.parallel.
+cost_model``); ``fp8jax simulate --table``: per-GPU memory and step time of 7B, 70B and 175B on
+8 to 1024 GPUs, the fastest layout that fits (``fp8jax.parallel.sizing``). ``fp8jax check``:
+lists the devices, says whether FP8 GEMMs run natively or emulated (and why), and compares one Dense layer's forward+backward in FP8
 against BF16: relative error of output, input gradient and weight gradient vs a float64
 reference, and time per step. ``fp8jax bench mlp|step|optim|comm|all``: fp8jax's speed claims
 measured on this machine, each against its baselines in the same process (``fp8jax.bench``).
