@@ -303,7 +303,8 @@ def simulate_table(args) -> str:
   from fp8jax.hardware import gpu_spec
   from fp8jax.parallel import sizing
   kind = gpu_spec(args.kind).name
-  seq_len, batch = args.seq_len or 4096, args.batch or 1024
+  seq_len = 4096 if args.seq_len is None else args.seq_len
+  batch = 1024 if args.batch is None else args.batch
   bw = args.inter_node_gbps * 1e9 / 8
   names = [n.strip().upper() for n in args.models.split(",") if n.strip()]
   levels = [x.strip().upper() for x in (args.levels or "O0,O3").split(",") if x.strip()]

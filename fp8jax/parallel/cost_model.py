@@ -291,7 +291,8 @@ class Assumptions(NamedTuple):
         f"{a.overlap:.2f}; memory reserve {a.workspace_reserve:.0%}; largest microbatch within "
         f"{a.microbatch_tolerance:.0%} of the fastest step",
         f"memory: optimizer update temporaries {a.update_temp_bytes:g} B/param (O2/O3) and "
-        f"{a.update_temp_bytes_f32:g} (O0/O1) of the updated shard (H200 measurements); "
+        f"{a.update_temp_bytes_f32:g} (O0/O1) of the updated shard (H200 measurements), a "
+        f"gradient all-reduce's output {a.all_reduce_copy_bytes:g} B/param (ZeRO 0/1); "
         f"ZeRO-3 holds {a.layers_in_flight:g} layers' gathered weights at once",
     ]
 

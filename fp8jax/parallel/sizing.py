@@ -113,8 +113,9 @@ def layout_step(model: cm.ModelShape, kind: str, level: str, zero_stage: int,
   if pp > 1:
     pipe_comm = k * 2 * activation / (
         _bandwidth(d * t * pp, gpus_per_node, spec.nvlink_bw, inter_node_bw) * a.comm_efficiency)
+  # a stage's parameters: the last stage's (LM head) or, one stage, the whole model's
   kernels = layers * model.layer_kernels / t + model.head_kernels
-  others = layers * model.layer_others + model.embedding
+  others = layers * model.layer_others + (model.embedding if pp == 1 else 0)
   payload = cm.comm_bytes(level, stage, kernels, others, k, False,
                           compute_bytes=model.compute_bytes)
   bw = _bandwidth(d * t, gpus_per_node, spec.nvlink_bw, inter_node_bw)
@@ -155,6 +156,8 @@ def candidates(model: cm.ModelShape, kind: str, gpus: int, level: str, seq_len: 
   """The step of every stage in `stages` (raised to the level's least) x :func:`layouts` x
   power-of-two microbatch that divides the batch of a data-parallel rank."""
   level = cm._check_level(level)
+  for name, value in (("gpus", gpus), ("seq_len", seq_len), ("global_batch", global_batch)):
+    _check_int(name, value)
   out = []
   for stage in sorted({cm._level(level).zero_stage_for(cm._check_stage("O0", s))
                        for s in stages}):

@@ -1,10 +1,13 @@
 """fp8jax.parallel.sizing (the layouts of `fp8jax simulate --table`) against hand computation."""
+import os
+
 import pytest
 
 from fp8jax import cli
 from fp8jax.parallel import cost_model as cm
 from fp8jax.parallel import sizing
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEQ, BATCH = 4096, 1024
 M7 = cli.model_shape(cli.table_model("7B", SEQ))
 H100 = cm.GPU_SPECS["H100-SXM"]
@@ -130,3 +133,16 @@ def test_cli_table_prints_every_model_count_and_level(capsys):
   assert "simulate needs --cluster and --config (or --table)" in capsys.readouterr().err
   assert cli.main(["simulate", "--table", "--gpus", "0"]) == 2
   assert "GPU count '0' in '0' is not allowed" in capsys.readouterr().err
+
+
+def test_readme_excerpt_is_what_the_command_prints(capsys):
+  """Every row of README's `simulate --table` excerpt is a row of the default table."""
+  readme = open(os.path.join(ROOT, "README.md")).read()
+  start = readme.index("fp8jax simulate --table [--models")
+  excerpt = [line.strip() for line in readme[start:].split("\n\n")[1].splitlines()
+             if line.strip().startswith("| 7B") or line.strip().startswith("| 70B")
+             or line.strip().startswith("| 175B")]
+  assert len(excerpt) >= 8
+  assert cli.main(["simulate", "--table"]) == 0
+  rows = set(capsys.readouterr().out.splitlines())
+  assert [r for r in excerpt if r not in rows] == []
