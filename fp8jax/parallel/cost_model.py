@@ -523,7 +523,10 @@ def device_memory(model: ModelShape, level: str, stage: int, seq_len: int, micro
   layer_kernels, largest = model.layer_kernels / t, model.largest_kernel / t
   shard3 = n if stage == 3 else 1
   out = None
-  for first, last in {(True, pp == 1), (pp == 1, True)}:
+  # in flight on the first stage: 1F1B at most one per stage, GPipe every microbatch
+  in_flight = 1 if pp == 1 else microbatches if layout.schedule == "gpipe" else min(
+      microbatches, pp)
+  for first, last in ((True, True),) if pp == 1 else ((True, False), (False, True)):
     kernels = layers * layer_kernels + (model.head_kernels if last else 0)
     others = layers * model.layer_others + (model.embedding if first else 0)
     params = kernels + others
@@ -551,13 +554,12 @@ def device_memory(model: ModelShape, level: str, stage: int, seq_len: int, micro
       backward["weight gradient in flight"] = per["grads"] * largest
     if emulated and lv.fp8_gemms:
       backward["widened FP8 weight"] = a.emulated_weight_bytes * largest
-    in_flight = microbatches if layout.schedule == "gpipe" else min(microbatches, pp)
     backward["activations"] = activation_bytes(
         model, seq_len, microbatch, level, t, layers, in_flight if first else 1, last)
     temp = a.update_temp_bytes if lv.scaled_master else a.update_temp_bytes_f32
     update = {"gradients": grads / (n if stage >= 2 else 1),
               "update temporaries": 0.0 if fused else temp * params / (n if stage >= 1 else 1)}
-    if stage <= 1 and n > 1 and not local_grads:
+    if stage <= 1 and n > 1:
       update["all-reduce output"] = a.all_reduce_copy_bytes * params
     mem = DeviceMemory(state, backward, update)
     if out is None or mem.peak > out.peak:

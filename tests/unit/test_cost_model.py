@@ -155,8 +155,14 @@ def test_pipeline_and_tensor_memory_by_hand():
   working = n_tok * (4 * d + (12 * d + 3 * 2 * 11008) / 2) * c
   first = cm.activation_bytes(m, 2048, 2, "O2", tensor=2, layers=8, in_flight=4, logits=False)
   assert first == 4 * saved + working
+  last = cm.activation_bytes(m, 2048, 2, "O2", tensor=2, layers=8, in_flight=1)
+  assert last == saved + working + n_tok * 256 * 8  # one microbatch, and the logits
+  assert piped.backward["activations"] in (first, last)
   gpipe = cm.device_memory(m, "O2", 1, 2048, 2, 8, cm.Layout(2, 2, 4, "gpipe"), a)
-  assert gpipe.backward["activations"] > piped.backward["activations"]
+  assert gpipe.backward["activations"] == 8 * saved + working  # all 8 microbatches
+  # without a pipeline the schedule does not matter: one microbatch at a time
+  assert cm.device_memory(m, "O2", 1, 2048, 2, 8, cm.Layout(2, 2, 1, "gpipe"), a) == \
+      cm.device_memory(m, "O2", 1, 2048, 2, 8, cm.Layout(2, 2, 1), a)
   assert piped.peak < whole.peak / 4
 
 
