@@ -13,8 +13,9 @@ cost_model``); ``fp8jax simulate --table``: per-GPU memory and step time of 7B, 
 8 to 1024 GPUs, the fastest layout that fits (``fp8jax.parallel.sizing``). ``fp8jax check``:
 lists the devices, says whether FP8 GEMMs run natively or emulated (and why), and compares
 one Dense layer's forward+backward in FP8 against BF16: relative error of output, input
-gradient and weight gradient vs a float64 reference, and time per step. ``fp8jax bench mlp|step|optim|comm|all``: fp8jax's speed claims
-measured on this machine, each against its baselines in the same process (``fp8jax.bench``).
+gradient and weight gradient vs a float64 reference, and time per step. ``fp8jax bench
+mlp|step|optim|comm|all``: fp8jax's speed claims measured on this machine, each against its
+baselines in the same process (``fp8jax.bench``).
 
 Errors: bad input (a missing file, a config value, a data problem: an ``OSError``, or a
 ``ValueError`` that fp8jax raises about its input) prints one line ``fp8jax: error: ...`` on
