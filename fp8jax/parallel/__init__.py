@@ -16,7 +16,9 @@ offload, and ``initialize()`` for multi-host runs.
 * Heterogeneous meshes: :mod:`~fp8jax.parallel.capability` (FP8 native/emulated per process,
   agreed), :mod:`~fp8jax.parallel.balance` (microbatch counts per group),
   :mod:`~fp8jax.parallel.device_map` and :mod:`~fp8jax.parallel.profile` (throughputs),
-  :mod:`~fp8jax.parallel.cost_model` (``fp8jax simulate``).
+  :mod:`~fp8jax.parallel.cost_model` (``fp8jax simulate``: step time and per-GPU memory).
+* :mod:`fp8jax.parallel.sizing`: the fastest ZeRO stage x tensor x pipeline layout of N GPUs
+  that fits (``fp8jax simulate --table``).
 """
 from fp8jax.parallel.distributed import initialize
 from fp8jax.parallel import combine
