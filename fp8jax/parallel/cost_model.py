@@ -10,10 +10,11 @@ split (:mod:`fp8jax.parallel.balance`) gives faster kinds more, and may leave sl
 
 with compute from FLOPs and an MFU calibrated on fp8jax runs (or from measured profiles),
 communication from ring-collective bytes over the slowest link, the update from HBM bytes.
-Memory per GPU decides the largest microbatch and whether a kind can run the level at all.
+Memory per GPU (:func:`device_memory`, the package's one memory model of a train step)
+decides the largest microbatch and whether a kind can run the level at all.
 Pure Python: no devices are needed. Every modelling constant is a field of
 :class:`Assumptions`; GPU facts come from :mod:`fp8jax.hardware`, the model's from a
-:class:`ModelShape` (``fp8jax.cli.model_shape`` builds one from a model config).
+:class:`ModelShape` (``fp8jax.train.memory.model_shape`` builds one from a model config).
 """
 from __future__ import annotations
 
@@ -230,7 +231,8 @@ class Assumptions(NamedTuple):
   # Memory kept free for workspaces, fragmentation and the runtime: fraction of HBM.
   workspace_reserve: float = 0.10
   # At O2/O3 the step decodes the FP16 master weights to the compute dtype once (BF16, bytes
-  # per parameter; fp8jax.train.step matrix_dtype): whole below ZeRO-3, the shards at 3.
+  # per parameter; fp8jax.train.step matrix_dtype): whole below ZeRO-3, the shards at 3. (The
+  # per-group step decodes to f32: device_memory counts 4 there.)
   fp8_working_copy_bytes: float = 2.0
   # Temporaries of the optimizer update, bytes per parameter it updates (the GPU's shard from
   # ZeRO stage 1). O2/O3 (the composed FP16-master update, which every sharded run takes):
