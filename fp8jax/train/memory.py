@@ -8,8 +8,9 @@ gathered and cast weights, activations per remat policy and attention implementa
 update) are written in ``device_memory``'s and ``cost_model.activation_bytes``' docstrings.
 From the config come:
 
-* the ZeRO shards: the devices the run spans over its tensor- and pipeline-parallel sizes
-  (``fp8jax.train.build`` counts the devices: one for a run that asks for no parallelism);
+* the ZeRO shards (:func:`data_ranks`: the devices the run spans over its tensor- and
+  pipeline-parallel sizes; ``fp8jax.train.build`` counts the devices: one for a run that asks
+  for no parallelism);
 * the level, the ZeRO stage (``Config.zero_stage``), the microbatches of a step
   (``train.microbatches``; with a batch ramp the step is built for that many) and the
   sequences each device runs per microbatch (:func:`device_sequences`);
@@ -82,13 +83,19 @@ def model_shape(model, remat_policy: str | None = None,
       attention_impl="cudnn" if attention == "auto" else attention)
 
 
+def data_ranks(config, devices: int = 1) -> int:
+  """Data-parallel ranks (the ZeRO shards) of a run of `config` over `devices` devices: the
+  devices over the tensor- and pipeline-parallel sizes."""
+  p = config.parallel
+  return max(devices // (p.tensor_parallel_size * p.pipeline_parallel_size), 1)
+
+
 def device_sequences(config, devices: int = 1) -> int:
   """Sequences one device runs per microbatch: the microbatch split over the data-parallel
-  ranks (devices / tensor-parallel size), or whole with ``parallel.device_map``."""
+  ranks (:func:`data_ranks`), or whole with ``parallel.device_map``."""
   if config.parallel.device_map is not None:
     return config.train.microbatch_size
-  ranks = max(devices // config.parallel.tensor_parallel_size, 1)
-  return math.ceil(config.train.microbatch_size / ranks)
+  return math.ceil(config.train.microbatch_size / data_ranks(config, devices))
 
 
 def _fused_update(config, devices: int) -> bool:
@@ -116,8 +123,7 @@ def step_memory(config, remat_policy: str, attention_impl: str, devices: int = 1
   if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
     raise ValueError(f"devices={devices!r} is not allowed; use an integer >= 1")
   p, t = config.parallel, config.train
-  split = p.tensor_parallel_size * p.pipeline_parallel_size
-  layout = cm.Layout(data=max(devices // split, 1), tensor=p.tensor_parallel_size,
+  layout = cm.Layout(data=data_ranks(config, devices), tensor=p.tensor_parallel_size,
                      pipeline=p.pipeline_parallel_size)
   shape = model_shape(config.model, remat_policy, attention_impl)
   local = p.device_map is not None or config.grad_comm() == "fp8"
@@ -128,7 +134,9 @@ def step_memory(config, remat_policy: str, attention_impl: str, devices: int = 1
 
 
 def step_bytes(config, remat_policy: str, attention_impl: str, devices: int = 1,
-               emulated: bool = False) -> float:
+               emulated: bool = False, assumptions: cm.Assumptions = cm.Assumptions()
+               ) -> float:
   """Estimated peak bytes per device of `config`'s train step: the peak of
   :func:`step_memory` (same arguments)."""
-  return float(step_memory(config, remat_policy, attention_impl, devices, emulated).peak)
+  return float(step_memory(config, remat_policy, attention_impl, devices, emulated,
+                           assumptions).peak)

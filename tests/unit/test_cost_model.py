@@ -387,6 +387,11 @@ def test_bad_arguments_name_the_value():
     cm.predict(c, BIG, 2048, 64, "O2", 1, microbatch=3)
   with pytest.raises(ValueError, match="overlap=1.5"):
     cm.predict(c, BIG, 2048, 64, "O2", 1, assumptions=cm.Assumptions(overlap=1.5))
+  with pytest.raises(ValueError, match=r"attention_impl='flash' is not allowed; use one of "
+                     r"\['cudnn', 'xla'\]"):
+    dataclasses.replace(BIG, attention_impl="flash")
+  with pytest.raises(ValueError, match="n_heads=0 is not allowed with attention_impl='xla'"):
+    dataclasses.replace(BIG, attention_impl="xla", n_heads=0)
 
 
 def test_cli_simulate_prints_the_table(capsys, tmp_path):
