@@ -513,8 +513,8 @@ def fp8_meta_bytes(level: str, gemms: int) -> int:
 def device_memory(model: ModelShape, level: str, stage: int, seq_len: int, microbatch: int,
                   microbatches: int = 1, layout: Layout = Layout(),
                   a: Assumptions = Assumptions(), emulated: bool = False,
-                  local_grads: bool = False, fused_update: bool | None = None
-                  ) -> DeviceMemory:
+                  local_grads: bool = False, fused_update: bool | None = None,
+                  whole_params: bool = False) -> DeviceMemory:
   """Bytes on the fullest GPU of `layout` training `model` at `level` and ZeRO `stage`
   (sharded over ``layout.data``), `microbatches` microbatches of `microbatch` sequences x
   `seq_len` tokens per step. The one memory model of a train step: ``fp8jax simulate``,
@@ -542,6 +542,9 @@ def device_memory(model: ModelShape, level: str, stage: int, seq_len: int, micro
       one layer's f32 kernel gradients are counted in flight); it decodes the FP16 master
       to f32 (4 bytes per parameter; /N at stage 3). Leaves ZeRO cannot split stay whole
       (norm scales of widths not divisible by N; not counted).
+    whole_params: with `local_grads` at stage 3, the groups run different microbatch counts
+      (a balanced split): the parameters enter the loop whole (decoded to f32, gathered
+      before it) and the whole f32 gradients are reduced after it, as below stage 3.
     fused_update: whether the step takes the fused O2 update (no update temporaries; with
       one microbatch of the uniform step it reads the BF16 kernel gradients as they come;
       ``fp8jax.train.build.fused_update_fn``); None: where it does by default, one GPU at a
@@ -555,7 +558,8 @@ def device_memory(model: ModelShape, level: str, stage: int, seq_len: int, micro
   n, t, pp = layout.data, layout.tensor, layout.pipeline
   layers = -(-model.n_layers // pp)
   layer_kernels, largest = model.layer_kernels / t, model.largest_kernel / t
-  shard3 = n if stage == 3 else 1
+  whole = local_grads and whole_params and stage == 3
+  shard3 = n if stage == 3 and not whole else 1
   if fused_update is None:  # as fp8jax.train.build.fused_update_fn takes it on GPUs
     fused_update = lv.fused_update and layout.gpus == 1 and stage == 0
   # the fused update reads one microbatch's BF16 kernel gradients as they come (uniform step)
@@ -569,7 +573,7 @@ def device_memory(model: ModelShape, level: str, stage: int, seq_len: int, micro
     others = layers * model.layer_others + (model.embedding if first else 0)
     params = kernels + others
     gemms = layers * (5 if model.gated_mlp else 4) + (1 if last else 0)
-    state = {"master weights": per["master"] * params / shard3,
+    state = {"master weights": per["master"] * params / (n if stage == 3 else 1),
              "Adam moments": (per["m"] + per["v"]) * params / (n if stage >= 1 else 1),
              "FP8 meta": float(fp8_meta_bytes(level, gemms))}
     grads = c * kernels + per["grads"] * others if narrow else per["grads"] * params
@@ -577,12 +581,14 @@ def device_memory(model: ModelShape, level: str, stage: int, seq_len: int, micro
     if microbatches > 1 or local_grads:
       backward["accumulator"] = per["grads"] * params / (
           shard3 if local_grads else n if stage >= 2 else 1)
-    if lv.scaled_master:
+    if whole:  # decoded (f32) and gathered before the loop
+      backward["gathered model"] = 4.0 * params
+    elif lv.scaled_master:
       decoded = per["grads"] if local_grads else a.fp8_working_copy_bytes  # f32 / BF16
       backward["decoded weights"] = decoded * params / shard3
     if lv.fp8_gemms and stage < 3:
       backward["FP8 weight casts"] = 1.0 * kernels
-    if stage == 3:
+    if stage == 3 and not whole:
       wire = c if local_grads else wire_bytes(level, c)
       backward["gathered weights"] = a.layers_in_flight * layer_kernels * wire
       backward["weight gradient in flight"] = per["grads"] * (
@@ -612,12 +618,13 @@ def max_microbatch(kind: str, model: ModelShape, seq_len: int, level: str, stage
                    gpus: int, a: Assumptions = Assumptions(), local_grads: bool = False,
                    limit: int = 2**20, microbatches: int = 1) -> int:
   """Largest power of two of sequences (<= `limit`) whose microbatch fits one GPU of `kind`
-  (data parallel over `gpus`, :func:`device_memory`); 0 when not even one sequence fits."""
+  (data parallel over `gpus`, :func:`device_memory`; `local_grads`: the balanced per-group
+  step); 0 when not even one sequence fits."""
   level = _check_level(level)
   emulated = _level(level).fp8_gemms and not fp8_native(kind)
   fits = lambda m: device_memory(model, level, stage, seq_len, m, microbatches,
-                                 Layout(data=gpus), a, emulated, local_grads
-                                 ).peak <= usable_bytes(kind, a)
+                                 Layout(data=gpus), a, emulated, local_grads,
+                                 whole_params=local_grads).peak <= usable_bytes(kind, a)
   best, m = 0, 1
   while m <= limit and fits(m):
     best, m = m, 2 * m
@@ -652,20 +659,21 @@ def comm_bytes(level: str, stage: int, kernels: float, others: float, loops: int
   its loop. Stage 3, both steps: per microbatch, each layer's weights gathered twice (forward,
   and backward or its recomputation: fp8jax.fsdp) and its gradients reduce-scattered; the
   uniform step gathers as :func:`gather_bytes`, the per-group step its kernels in the compute
-  dtype (fp8jax.fsdp.gather_tree inside ``shard_map``).
+  dtype (fp8jax.fsdp.gather_tree inside ``shard_map``); with `balanced` (per-group counts)
+  the whole model is gathered once in f32 before the loop and its gradients all-reduced after.
   """
   params = kernels + others
   grads = params * grad_comm_bytes(level, grad_comm)
-  if stage <= 1:
+  if stage <= 1 or (stage == 3 and balanced):
     out = {"grad all-reduce": 2 * grads}
   else:
     out = {"grad reduce-scatter": (1 if balanced and stage == 2 else loops) * grads}
   if stage in (1, 2):
     out["weight all-gather"] = params * master_bytes(level)
-  if stage == 3:
-    gathered = (compute_bytes * params if balanced
-                else gather_bytes(level, kernels, others, compute_bytes))
-    out["weight all-gather"] = 2 * loops * gathered
+  if stage == 3 and balanced:
+    out["weight all-gather"] = 4.0 * params
+  elif stage == 3:
+    out["weight all-gather"] = 2 * loops * gather_bytes(level, kernels, others, compute_bytes)
   return out
 
 
@@ -731,7 +739,8 @@ def _evaluate(ctx: dict, m: int, balanced: bool) -> Split:
   model, a, cluster, kinds = ctx["model"], ctx["a"], ctx["cluster"], ctx["kind_list"]
   loops = 2 if ctx["batch"] // m > cluster.gpus else 1  # (an accumulator from 2 on)
   usage = {k: device_memory(model, ctx["level"], ctx["stage"], ctx["seq_len"], m, loops,
-                            Layout(data=cluster.gpus), a, k in ctx["emulated"], balanced)
+                            Layout(data=cluster.gpus), a, k in ctx["emulated"], balanced,
+                            whole_params=balanced)
            for k in ctx["kinds"]}
   memory = {k: u.peak for k, u in usage.items()}
   too_big = [k for k in ctx["kinds"] if memory[k] > usable_bytes(k, a)]

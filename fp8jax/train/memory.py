@@ -130,7 +130,8 @@ def step_memory(config, remat_policy: str, attention_impl: str, devices: int = 1
   return cm.device_memory(shape, config.level().name, config.zero_stage(), config.data.seq_len,
                           device_sequences(config, devices), t.microbatches, layout,
                           assumptions, emulated=emulated, local_grads=local,
-                          fused_update=_fused_update(config, devices))
+                          fused_update=_fused_update(config, devices),
+                          whole_params=p.device_map is not None)
 
 
 def step_bytes(config, remat_policy: str, attention_impl: str, devices: int = 1,

@@ -228,12 +228,18 @@ def test_estimate_follows_the_step_the_config_builds():
                          "cudnn", devices=8)
   assert z3.peak < 0.5 * z1
   # the per-group step: an f32 accumulator with one microbatch, f32 decoded weights
-  for extra in ("parallel.grad_comm=fp8", "parallel.device_map={H200: 1.0}"):
-    local = memory.step_memory(_gpt_1_3b("train.opt_level=O3", "parallel.zero_stage=3", extra),
-                               "full", "cudnn", devices=8)
-    assert local.backward["accumulator"] == 4 * (k + o) / 8, extra
-    assert local.backward["decoded weights"] == 4 * (k + o) / 8, extra
-    assert "accumulator" not in z3.backward
+  local = memory.step_memory(_gpt_1_3b("train.opt_level=O3", "parallel.zero_stage=3",
+                                        "parallel.grad_comm=fp8"), "full", "cudnn", devices=8)
+  assert local.backward["accumulator"] == 4 * (k + o) / 8
+  assert local.backward["decoded weights"] == 4 * (k + o) / 8
+  assert "accumulator" not in z3.backward
+  # balanced (per-group counts): the whole model decoded to f32 and gathered before the loop,
+  # whole f32 gradients and accumulator
+  bal = memory.step_memory(_gpt_1_3b("train.opt_level=O3", "parallel.zero_stage=3",
+                                     "parallel.device_map={H200: 1.0}"), "full", "cudnn",
+                           devices=8)
+  assert bal.backward["gathered model"] == bal.backward["accumulator"] == 4 * (k + o)
+  assert "gathered weights" not in bal.backward
   emulated = memory.step_memory(o2, "full", "cudnn", emulated=True)
   assert emulated.backward["widened FP8 weight"] == 2 * shape.largest_kernel
   # choose_auto estimates an A100 (no FP8 GEMMs) with the widened weight: a memory between
