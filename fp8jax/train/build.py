@@ -201,9 +201,11 @@ def weight_cast_fn(config, model, microbatches: int) -> Callable | None:
   """fp8.cast_weights_once resolved for a step of `microbatches`: ``variables -> {collection:
   FP8 weight casts}`` (``fp8jax.linen.cast_weights`` with `model`'s recipe and compute dtype)
   to cast every weight once for all microbatches; None at O0, with one microbatch (the model
-  casts once anyway) or with the option off."""
+  casts once anyway), with pipeline stages (each stage's GEMMs cast their weights per
+  microbatch) or with the option off."""
   if (not config.fp8.cast_weights_once or getattr(model, "recipe", None) is None
-      or microbatches < 2):  # (a builder's converted module casts per microbatch)
+      or microbatches < 2  # (a builder's converted module casts per microbatch)
+      or config.parallel.pipeline_parallel_size > 1):  # (each stage casts its own layers)
     return None
   return functools.partial(linen.cast_weights, recipe=model.recipe,
                            dtype=jnp.dtype(model.config.dtype))
@@ -215,7 +217,8 @@ def _alone(config, processes: int) -> bool:
   p = config.parallel
   return (config.zero_stage() == 0 and processes == 1 and p.device_map is None
           and p.data_parallel_size in (-1, 1) and p.fsdp_size == 1
-          and p.tensor_parallel_size == 1 and config.grad_comm() == "native")
+          and p.tensor_parallel_size == 1 and p.pipeline_parallel_size == 1
+          and config.grad_comm() == "native")
 
 
 def _run_device_count(config, reports: Sequence[DeviceReport]) -> int:
@@ -303,7 +306,8 @@ class StepCache:
           grad_comm=c.grad_comm(), comm_scaling=c.parallel.grad_comm_scaling,
           growth_interval=c.grad_comm_growth_interval(), fused_update=self.fused_update,
           cast_weights=weight_cast_fn(c, model, microbatches),
-          matrix_dtype=c.model.dtype if c.model.builder is None else None))
+          matrix_dtype=c.model.dtype if c.model.builder is None else None,
+          parts=model.parts() if c.parallel.pipeline_parallel_size > 1 else None))
     return self._steps[key][1]
 
   def built(self) -> list[tuple]:

@@ -7,9 +7,11 @@ One step ``(state, batch[, counts]) -> (state, metrics)`` is put together from:
   kernels as E4M3 bytes inside their GEMM, per layer inside the layer scan); the group loop
   gathers the whole model once before ``shard_map`` (``gather_params``); none below stage 3;
 * the microbatch loop: :func:`scan_microbatches` (every device runs the same static number of
-  microbatches of the global batch, XLA places the collectives) or :func:`group_microbatches`
+  microbatches of the global batch, XLA places the collectives), :func:`group_microbatches`
   (inside ``jax.shard_map``: each data-parallel group loops over its own number of
-  microbatches with no collective in the loop, then one reduction);
+  microbatches with no collective in the loop, then one reduction) or
+  :func:`pipeline_microbatches` (pipeline stages over the mesh's "pipe" axis: the GPipe
+  schedule of :mod:`fp8jax.parallel.pipeline`);
 * gradient reduction: ZeRO's layout constraint (``reduce_gradients``) in the scanned loop, or
   :func:`fp8jax.parallel.grad_comm.reduce_over_groups` (f32 or FP8 with its scaling state)
   after the group loop;
@@ -37,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fp8jax import fsdp
 from fp8jax.accumulate import accumulate_gradients, accumulator_zeros, widen
@@ -45,8 +47,9 @@ from fp8jax.linen import FP8_COLLECTION, apply_fp8_updates
 from fp8jax.optim import MasterWeights, apply_master_updates
 from fp8jax.parallel import grad_comm as grad_comm_lib
 from fp8jax.parallel import layout
+from fp8jax.parallel import pipeline as pipeline_lib
 from fp8jax.parallel.collectives import CommScaling
-from fp8jax.parallel.mesh import BATCH_AXES
+from fp8jax.parallel.mesh import BATCH_AXES, pipe_size
 from fp8jax.parallel.zero import ZeroPlan
 from fp8jax.scaling import combine_max
 from fp8jax.train import guards
@@ -179,8 +182,68 @@ def group_microbatches(grad_fn: Callable, loop: GroupLoop, variables, batch, cou
   return loss_sum / total, grads, comm
 
 
+@dataclasses.dataclass(frozen=True)
+class PipelineLoop:
+  """The pipeline loop's settings (see :func:`pipeline_microbatches`).
+
+  Attributes:
+    mesh: the device mesh; its "pipe" axis holds the stages (2 or more).
+    parts: the model cut into ``split(variables) -> (stacked, shared)``, ``merge(stacked,
+      shared)``, ``embed(shared, tokens) -> x``, ``layers(stacked, x) -> x`` and
+      ``logits(shared, x) -> logits`` (``fp8jax.models.layers.DecoderParts``, from
+      ``model.parts()``).
+  """
+
+  mesh: Mesh
+  parts: Any
+
+  def __post_init__(self):
+    if pipe_size(self.mesh) < 2:
+      raise ValueError(f"the pipeline loop needs a mesh with a 'pipe' axis of 2 or more "
+                       f"stages, got axes {dict(self.mesh.shape)}")
+    missing = [m for m in ("split", "merge", "embed", "layers", "logits")
+               if not callable(getattr(self.parts, m, None))]
+    if missing:
+      raise ValueError(f"pipeline parallelism needs the model cut into parts; "
+                       f"{type(self.parts).__name__} has no {missing} (the reference "
+                       f"families give them: model.parts())")
+
+  @property
+  def stages(self) -> int:
+    return pipe_size(self.mesh)
+
+  def stage_fns(self) -> pipeline_lib.Stages:
+    """The model as the schedule's first / stage / last functions (last: mean next-token
+    loss of a microbatch int32[m, T+1])."""
+    parts = self.parts
+    return pipeline_lib.Stages(
+        first=lambda shared, part: parts.embed(shared, part[:, :-1]),
+        stage=parts.layers,
+        last=lambda shared, y, part: cross_entropy(parts.logits(shared, y), part[:, 1:]))
+
+
+def pipeline_microbatches(loop: PipelineLoop, variables, batch, microbatches: int):
+  """The pipeline loop: `batch` int32[B, T+1] split into `microbatches` equal parts run
+  through the stages of ``loop.mesh``'s "pipe" axis (GPipe: :func:`fp8jax.parallel.pipeline.
+  gpipe`; each part's sequences stay split over the batch axes). Returns (mean loss, mean
+  parameter gradients in f32 and FP8 state combined by max), as :func:`scan_microbatches`."""
+  if batch.shape[0] % microbatches:
+    raise ValueError(f"batch of {batch.shape[0]} sequences does not split into "
+                     f"{microbatches} microbatches")
+  pipeline_lib.check_stages(loop.stages, microbatches)
+  parts = batch.reshape(microbatches, batch.shape[0] // microbatches, *batch.shape[1:])
+  parts = lax.with_sharding_constraint(
+      parts, NamedSharding(loop.mesh, P(None, layout.group_axes(loop.mesh))))
+  stacked, shared = loop.parts.split(variables)
+  loss, g_stacked, g_shared = pipeline_lib.pipeline_grads(loop.stage_fns(), loop.mesh,
+                                                          stacked, shared, parts)
+  grads = loop.parts.merge(g_stacked, g_shared)
+  return loss, {**grads, "params": jax.tree.map(widen, grads["params"])}
+
+
 def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microbatches: int = 1,
                     *, groups: GroupLoop | None = None,
+                    pipeline: PipelineLoop | None = None,
                     gather_params: Callable | None = None,
                     weight_gather: fsdp.WeightGather | None = None,
                     reduce_gradients: Callable | None = None,
@@ -194,12 +257,16 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
   `microbatches` parts that run; None: all). With `groups`: ``step(state, batch int32[G, n, m, T+1],
   counts int32[G], repeats int32[G] | None = None)`` running :func:`group_microbatches` inside
   ``shard_map`` (batch and counts sharded over the groups: ``fp8jax.parallel.layout``).
+  With `pipeline`: ``step(state, batch int32[B, T+1]) -> (state, metrics)`` running
+  :func:`pipeline_microbatches`.
 
   Args:
     apply_fn: ``apply_fn(variables, tokens[B, T]) -> logits[B, T, V]``.
     tx: the optimizer (including clipping); it sees parameters only.
     microbatches: equal parts the batch is split into (uniform loop; must divide B).
     groups: run the per-group loop with these settings.
+    pipeline: run the pipeline loop with these settings (with `reduce_gradients`,
+      `fused_update` and `matrix_dtype` only; `microbatches` >= its stages).
     gather_params: optional ``params -> params`` applied before the forward (ZeRO-3's weight
       all-gather, ``ZeroPlan.gather_fn``): differentiated in the uniform loop (its gradient is
       reduce-scattered back); applied once before ``shard_map`` in the group loop.
@@ -241,6 +308,12 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
   if groups is not None and (cast_weights, matrix_dtype, reduce_gradients) != (None,) * 3:
     raise ValueError("cast_weights, matrix_dtype and reduce_gradients belong to the uniform "
                      "loop; the group loop reduces through groups.grad_comm")
+  if pipeline is not None and (groups, gather_params, weight_gather, cast_weights) != \
+      (None,) * 4:
+    raise ValueError("the pipeline loop takes none of groups, gather_params, weight_gather "
+                     "and cast_weights (its stages hold their layers' weights)")
+  if pipeline is not None:
+    pipeline_lib.check_stages(pipeline.stages, microbatches)
 
   def grad_fn(variables, part, extra=None, gather=None):
     def loss_of(v):
@@ -299,6 +372,15 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
                "comm_saturated_max": jnp.max(comm.saturated[idx])}
     return new._replace(comm=comm), metrics
 
+  def pipelined(state: TrainState, batch):
+    variables = state.variables(matrix_dtype)
+    loss, grads = pipeline_microbatches(pipeline, variables, batch, microbatches)
+    if reduce_gradients is not None:
+      grads = {**grads, "params": reduce_gradients(grads["params"])}
+    return apply_gradients(state, tx, grads, loss, fused_update)
+
+  if pipeline is not None:
+    return pipelined
   return uniform if groups is None else per_group
 
 
@@ -367,7 +449,7 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
                grad_comm: str = "native", comm_scaling: str = "current",
                growth_interval: int = 1000, fused_update: Callable | None = None,
                cast_weights: Callable | None = None, matrix_dtype=None,
-               skip_nonfinite: bool = True) -> TrainStep:
+               skip_nonfinite: bool = True, parts: Any = None) -> TrainStep:
   """The jitted step of `plan`'s layout for a step of `microbatches` microbatches.
 
   Args:
@@ -381,7 +463,13 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
     microbatch_size: sequences per microbatch (needed with `counts` or `dynamic`).
     skip_nonfinite: wrap the step in ``guards.skip_nonfinite_steps`` (metrics gain
       ``skipped``).
+    parts: the model cut into parts (``model.parts()``, see :class:`PipelineLoop`); needed
+      when the plan's mesh has pipeline stages.
     Other arguments: as for :func:`make_train_step`.
+
+  On a mesh with a "pipe" axis the loop is the pipeline's (:func:`pipeline_microbatches`,
+  with the plan's gradient layout; `microbatches` >= the stages; not with `counts`,
+  `dynamic`, `grad_comm` "fp8" or `cast_weights`).
 
   The loop is per group when `counts` is given or `grad_comm` is "fp8" (every group then
   runs all microbatches on its 1/G of each: the uniform split); else the uniform loop with
@@ -406,7 +494,18 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
                        f"microbatches of {microbatch_size} sequences")
     return k
 
-  if per_group:
+  if pipe_size(mesh) > 1:
+    unsupported = {"counts": counts is not None, "dynamic": dynamic,
+                   "grad_comm='fp8'": grad_comm == "fp8", "cast_weights": cast_weights is not None}
+    if any(unsupported.values()):
+      raise ValueError(f"build_step: pipeline parallelism ({pipe_size(mesh)} stages) does not "
+                       f"support {[k for k, v in unsupported.items() if v]} yet; leave them out")
+    step = make_train_step(apply_fn, tx, microbatches,
+                           pipeline=PipelineLoop(mesh, parts), reduce_gradients=plan.reduce_fn(),
+                           fused_update=fused_update, matrix_dtype=matrix_dtype)
+    place = lambda batch: (layout.put_global(batch, sharding),)
+    batch_shardings = (sharding,)
+  elif per_group:
     loop = GroupLoop(mesh, grad_comm=grad_comm, comm_scaling=comm_scaling,
                      growth_interval=growth_interval)
     n = loop.groups

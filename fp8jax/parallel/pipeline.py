@@ -1,0 +1,208 @@
+"""Pipeline parallelism: a GPipe schedule over the mesh's "pipe" axis, generic over the stage
+function.
+
+A model is cut into three functions (the reference decoder's cut:
+``fp8jax.models.layers.DecoderParts``):
+
+* ``first(shared, part) -> x``: stage 0's input from a microbatch (the embedding);
+* ``stage(stacked, x) -> y``: one stage's slice of the stacked layers (leading layer axis
+  [L/P, ...]), y shaped like x (the residual stream);
+* ``last(shared, y, part) -> loss``: the last stage's output to the microbatch's mean loss
+  (final norm, head, cross entropy).
+
+`stacked` holds the variables of the stacked layers (parameters and FP8 state), split over
+"pipe" along their layer axis (:func:`pipe_dim`: stage s holds layers [s L/P, (s+1) L/P));
+`shared` the other variables, whole on every stage.
+
+The schedule (:func:`gpipe`, inside ``jax.shard_map`` manual over "pipe", other mesh axes
+``Auto``, so data/ZeRO/tensor sharding composes through XLA's partitioner as in the uniform
+step): k >= P microbatches, P stages.
+
+* Forward phase, k + P - 1 ticks: at tick t stage s runs microbatch m = t - s, keeps only its
+  input x (one activation [mb, T, D] per microbatch) and sends its output to stage s + 1
+  (``lax.ppermute``). The last stage only keeps its input.
+* Backward phase, k + P - 1 ticks: at tick t stage s runs microbatch m = t - (P - 1 - s):
+  ``jax.vjp`` of its stage function at the kept input (the stage's forward runs again: a
+  stage-level rematerialization), the last stage starting from the gradient of `last`, and
+  sends the input's gradient to stage s - 1; stage 0 takes it into `first`'s gradient.
+
+A (stage, tick) slot outside 0 <= m < k is a bubble: it computes nothing (``lax.cond``) and
+leaves every accumulator unchanged. Gradients are not differentiated through the schedule:
+each slot's gradient is accumulated explicitly with ``fp8jax.accumulate_gradients``
+(parameters summed in f32, FP8 state combined by max), so the FP8 state's update is the
+max-combination over microbatches, as in the uniform loop. The bubble (idle) fraction of a
+stage is (P - 1) / (k + P - 1) (:func:`bubble_fraction`).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from fp8jax.accumulate import accumulate_gradients, accumulator_zeros, mean_gradients
+from fp8jax.parallel.mesh import PIPE, pipe_size
+from fp8jax.scaling import Fp8Meta, combine_max
+
+# The key-path piece of the stacked layers' variables (the reference decoder's ``nn.scan``
+# over its blocks is named "layers"): every array below it has a leading layer axis.
+STACK_PIECE = "['layers']"
+SCHEDULES = ("gpipe",)
+
+
+class Stages(NamedTuple):
+  """A model cut for the pipeline (see the module docstring for each function's contract)."""
+
+  first: Callable
+  stage: Callable
+  last: Callable
+
+
+def pipe_dim(path: str, shape, mesh: Mesh) -> int | None:
+  """0 (the layer axis, split over "pipe") for an array of the stacked layers (`path`, a
+  ``jax.tree_util.keystr``, contains :data:`STACK_PIECE`) on a mesh with pipeline stages;
+  None otherwise. ValueError when the layer count does not split over the stages."""
+  stages = pipe_size(mesh)
+  if stages == 1 or STACK_PIECE not in path or len(shape) == 0:
+    return None
+  if shape[0] % stages:
+    raise ValueError(f"{path} has {shape[0]} layers, which do not split over "
+                     f"{stages} pipeline stages; use a pipeline size that divides the layer "
+                     f"count")
+  return 0
+
+
+def check_stages(stages: int, microbatches: int, layers: int | None = None) -> None:
+  """Raises ValueError unless `microbatches` >= `stages` >= 1 and `stages` divides `layers`
+  (when given)."""
+  if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+    raise ValueError(f"pipeline stages={stages!r} is not allowed; use an integer >= 1")
+  if microbatches < stages:
+    raise ValueError(f"a pipeline of {stages} stages needs at least {stages} microbatches per "
+                     f"step, got {microbatches}; use more microbatches (or fewer stages)")
+  if layers is not None and layers % stages:
+    raise ValueError(f"{layers} layers do not split over {stages} pipeline stages; use a "
+                     f"pipeline size that divides the layer count")
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+  """The fraction of a step each stage idles in the GPipe schedule: (P - 1) / (k + P - 1)."""
+  check_stages(stages, microbatches)
+  return (stages - 1) / (microbatches + stages - 1)
+
+
+def _zeros(shapes):
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def _select(pred, new, old):
+  """`new` where `pred` (a scalar) holds, else `old`, leaf by leaf."""
+  return jax.tree.map(lambda n, o: jnp.where(pred, n, o), new, old)
+
+
+def _combine_over(tree, axis: str, stages: int):
+  """Gradients summed over `axis`, FP8 state combined by max over it."""
+  def one(x):
+    if not isinstance(x, Fp8Meta):
+      return lax.psum(x, axis)
+    every = lax.all_gather(x, axis)
+    return functools.reduce(combine_max, [jax.tree.map(lambda a, j=j: a[j], every)
+                                          for j in range(stages)])
+  return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, Fp8Meta))
+
+
+def gpipe(fns: Stages, stacked, shared, parts, *, stages: int, axis: str = PIPE):
+  """One step's loss and gradients under the GPipe schedule (call inside ``jax.shard_map``
+  manual over `axis`; see the module docstring).
+
+  Args:
+    fns: the model's :class:`Stages`.
+    stacked: this stage's slice of the stacked variables ([L/P, ...] leaves).
+    shared: the other variables (whole).
+    parts: int32[k, mb, T+1], the step's k microbatches (the same on every stage).
+    stages: P, the size of `axis`.
+  Returns (mean loss over the microbatches, this stage's gradient of `stacked`, the gradient
+  of `shared`): parameter gradients are means over the microbatches (summed in f32), FP8
+  state the max-combined update; `shared`'s is the same on every stage.
+  """
+  k = parts.shape[0]
+  check_stages(stages, k)
+  s = lax.axis_index(axis)
+  first_stage, last_stage = s == 0, s == stages - 1
+  x_aval = jax.eval_shape(fns.first, shared, parts[0])
+  ticks = jnp.arange(k + stages - 1)
+
+  def slot(t, offset):
+    m = t - offset
+    i = jnp.clip(m, 0, k - 1)
+    return (m >= 0) & (m < k), i, lax.dynamic_index_in_dim(parts, i, keepdims=False)
+
+  def forward(carry, t):
+    recv, saved = carry
+    ran, i, part = slot(t, s)
+    x = lax.cond(first_stage & ran, lambda: fns.first(shared, part), lambda: recv)
+    saved = lax.dynamic_update_index_in_dim(
+        saved, jnp.where(ran, x, lax.dynamic_index_in_dim(saved, i, keepdims=False)), i, 0)
+    # The last stage runs its layers in the backward phase only (from its kept input).
+    y = lax.cond(ran & ~last_stage, lambda: fns.stage(stacked, x), lambda: x)
+    return (lax.ppermute(y, axis, [(j, j + 1) for j in range(stages - 1)]), saved), None
+
+  x0 = jnp.zeros(x_aval.shape, x_aval.dtype)
+  saved = jnp.zeros((k, *x_aval.shape), x_aval.dtype)
+  (_, saved), _ = lax.scan(forward, (x0, saved), ticks)
+
+  def head(y, part):
+    loss, (g_shared, dy) = jax.value_and_grad(fns.last, argnums=(0, 1))(shared, y, part)
+    return loss, g_shared, dy
+
+  def run(x, g_in, part):
+    """One slot's backward: (loss, stacked gradient, shared gradient, input gradient)."""
+    y, stage_vjp = jax.vjp(fns.stage, stacked, x)
+    shapes = jax.eval_shape(head, y, part)
+    loss, g_shared, dy = lax.cond(last_stage, lambda: head(y, part),
+                                  lambda: (*_zeros(shapes[:2]), g_in.astype(y.dtype)))
+    g_stacked, dx = stage_vjp(dy)
+    g_first = lax.cond(first_stage,
+                       lambda: jax.vjp(lambda sh: fns.first(sh, part), shared)[1](dx)[0],
+                       lambda: jax.tree.map(jnp.zeros_like, shared))
+    return loss, g_stacked, accumulate_gradients(g_shared, g_first), dx
+
+  def backward(carry, t):
+    recv, loss_sum, acc_stacked, acc_shared = carry
+    ran, i, part = slot(t, stages - 1 - s)
+    x = lax.dynamic_index_in_dim(saved, i, keepdims=False)
+    shapes = jax.eval_shape(run, x, recv, part)
+    loss, g_stacked, g_shared, dx = lax.cond(ran, lambda: run(x, recv, part),
+                                             lambda: _zeros(shapes))
+    loss_sum = loss_sum + jnp.where(ran, loss, 0.0)
+    acc_stacked = _select(ran, accumulate_gradients(acc_stacked, g_stacked), acc_stacked)
+    acc_shared = _select(ran, accumulate_gradients(acc_shared, g_shared), acc_shared)
+    recv = lax.ppermute(dx, axis, [(j + 1, j) for j in range(stages - 1)])
+    return (recv, loss_sum, acc_stacked, acc_shared), None
+
+  start = (x0, jnp.zeros((), jnp.float32), accumulator_zeros(stacked),
+           accumulator_zeros(shared))
+  (_, loss_sum, acc_stacked, acc_shared), _ = lax.scan(backward, start, ticks)
+  loss = lax.psum(loss_sum, axis) / k
+  return (loss, mean_gradients(acc_stacked, k),
+          mean_gradients(_combine_over(acc_shared, axis, stages), k))
+
+
+def pipeline_grads(fns: Stages, mesh: Mesh, stacked, shared, parts, *, axis: str = PIPE):
+  """:func:`gpipe` over `mesh`'s `axis` (``jax.shard_map`` manual over it only): `stacked`
+  leaves [L, ...] split along their layer axis, `shared` and `parts` whole; returns (mean
+  loss, gradient of `stacked` [L, ...] laid out like it, gradient of `shared`).
+
+  The FP8 GEMMs inside agree their amaxes over the ``Auto`` axes by themselves (a max over a
+  sharded array is global); over "pipe" nothing is agreed: each layer lives on one stage.
+  (Hence ``check_vma=False``: the check would ask for a max over "pipe", which would mix
+  different layers' amaxes.)
+  """
+  stages = pipe_size(mesh) if axis == PIPE else int(mesh.shape[axis])
+  body = functools.partial(gpipe, fns, stages=stages, axis=axis)
+  return jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(), P()),
+                       out_specs=(P(), P(axis), P()), axis_names={axis},
+                       check_vma=False)(stacked, shared, parts)
