@@ -191,6 +191,42 @@ def gpipe(fns: Stages, stacked, shared, parts, *, stages: int, axis: str = PIPE)
           mean_gradients(_combine_over(acc_shared, axis, stages), k))
 
 
+def gpipe_loss(fns: Stages, stacked, shared, parts, *, stages: int, axis: str = PIPE):
+  """The mean loss of k >= 1 microbatches through the stages, forwards only (evaluation:
+  nothing is kept; the last stage runs its layers and `last`); arguments as :func:`gpipe`."""
+  k = parts.shape[0]
+  s = lax.axis_index(axis)
+  last_stage = s == stages - 1
+  x_aval = jax.eval_shape(fns.first, shared, parts[0])
+
+  def forward(carry, t):
+    recv, loss_sum = carry
+    m = t - s
+    ran = (m >= 0) & (m < k)
+    part = lax.dynamic_index_in_dim(parts, jnp.clip(m, 0, k - 1), keepdims=False)
+    x = lax.cond((s == 0) & ran, lambda: fns.first(shared, part), lambda: recv)
+    y = lax.cond(ran, lambda: fns.stage(stacked, x), lambda: x)
+    loss = lax.cond(ran & last_stage, lambda: fns.last(shared, y, part).astype(jnp.float32),
+                    lambda: jnp.zeros((), jnp.float32))
+    recv = lax.ppermute(y, axis, [(j, j + 1) for j in range(stages - 1)])
+    return (recv, loss_sum + loss), None
+
+  start = (jnp.zeros(x_aval.shape, x_aval.dtype), jnp.zeros((), jnp.float32))
+  (_, loss_sum), _ = lax.scan(forward, start, jnp.arange(k + stages - 1))
+  return lax.psum(loss_sum, axis) / k
+
+
+def _stages_of(mesh: Mesh, axis: str) -> int:
+  return pipe_size(mesh) if axis == PIPE else int(mesh.shape[axis])
+
+
+def pipeline_loss(fns: Stages, mesh: Mesh, stacked, shared, parts, *, axis: str = PIPE):
+  """:func:`gpipe_loss` over `mesh`'s `axis`, laid out as :func:`pipeline_grads`."""
+  body = functools.partial(gpipe_loss, fns, stages=_stages_of(mesh, axis), axis=axis)
+  return jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(), P()), out_specs=P(),
+                       axis_names={axis}, check_vma=False)(stacked, shared, parts)
+
+
 def pipeline_grads(fns: Stages, mesh: Mesh, stacked, shared, parts, *, axis: str = PIPE):
   """:func:`gpipe` over `mesh`'s `axis` (``jax.shard_map`` manual over it only): `stacked`
   leaves [L, ...] split along their layer axis, `shared` and `parts` whole; returns (mean
@@ -201,8 +237,7 @@ def pipeline_grads(fns: Stages, mesh: Mesh, stacked, shared, parts, *, axis: str
   (Hence ``check_vma=False``: the check would ask for a max over "pipe", which would mix
   different layers' amaxes.)
   """
-  stages = pipe_size(mesh) if axis == PIPE else int(mesh.shape[axis])
-  body = functools.partial(gpipe, fns, stages=stages, axis=axis)
+  body = functools.partial(gpipe, fns, stages=_stages_of(mesh, axis), axis=axis)
   return jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(), P()),
                        out_specs=(P(), P(axis), P()), axis_names={axis},
                        check_vma=False)(stacked, shared, parts)

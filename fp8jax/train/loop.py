@@ -37,7 +37,7 @@ from fp8jax.train.progress import ProgressBar
 from fp8jax.train.resume import (RunCheckpoints, RunRecords, claim_run_dir, records_of,
                                  saved_fallback, stopped_line)
 from fp8jax.train.state import load_params, state_init_fn
-from fp8jax.train.step import TrainStep, make_eval_step
+from fp8jax.train.step import PipelineLoop, TrainStep, make_eval_step
 
 logger = logging.getLogger("fp8jax")
 
@@ -98,8 +98,11 @@ class Trainer:
     self.steps = build.StepCache(
         self.config, self.tx, self.plan, self._fused_update,
         self.balanced_counts if self.group_seconds is not None else None)
+    pipe = None
+    if self.config.parallel.pipeline_parallel_size > 1:  # (the reference families only)
+      pipe = PipelineLoop(self.plan.mesh, self.calibration.model.parts())
     self._eval = jax.jit(make_eval_step(self.calibration.model.apply,
-                                         self.plan.weight_gather()))
+                                         self.plan.weight_gather(), pipe))
     linen = isinstance(first, nn.Module)  # (the probe reads linen collections)
     self._health = self._health_probe() if recipe is not None and linen else None
 

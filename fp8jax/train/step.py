@@ -418,10 +418,19 @@ def apply_gradients(state: TrainState, tx: optax.GradientTransformation, grads, 
   return new_state, {"loss": loss, "grad_norm": grad_norm}
 
 
-def make_eval_step(apply_fn: Callable, weight_gather: fsdp.WeightGather | None = None):
+def make_eval_step(apply_fn: Callable, weight_gather: fsdp.WeightGather | None = None,
+                   pipeline: PipelineLoop | None = None):
   """A jittable ``eval_step(state, batch) -> mean loss`` (FP8 state is not updated);
-  `weight_gather`: as for :func:`make_train_step` (ZeRO-3: parameters gathered at use)."""
+  `weight_gather`: as for :func:`make_train_step` (ZeRO-3: parameters gathered at use);
+  `pipeline`: the batch runs through the pipeline stages as one microbatch, forwards only
+  (``fp8jax.parallel.pipeline.gpipe_loss``; `weight_gather` does not apply)."""
   def eval_step(state, batch):
+    if pipeline is not None:
+      stacked, shared = pipeline.parts.split(state.variables())
+      parts = lax.with_sharding_constraint(
+          batch[None], NamedSharding(pipeline.mesh, P(None, layout.group_axes(pipeline.mesh))))
+      return pipeline_lib.pipeline_loss(pipeline.stage_fns(), pipeline.mesh, stacked, shared,
+                                        parts)
     with fsdp.gathering(weight_gather):
       return next_token_loss(apply_fn, state.variables(), batch)
   return eval_step
