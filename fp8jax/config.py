@@ -557,6 +557,8 @@ class ParallelSection(_Section):
   allgather_bucket_size: int | None = _field(None, _ge(1))  # bytes (fp8jax.parallel.combine)
   tensor_parallel_size: int = _field(1, _ge(1))
   pipeline_parallel_size: int = _field(1, _ge(1))
+  # GPipe (k inputs kept per stage) or lockstep 1F1B (2P-1 kept, larger bubble)
+  pipeline_schedule: str = _field("gpipe", _one_of("gpipe", "1f1b"))
   device_map: dict | str | None = None  # kind -> throughput / profile: balanced microbatches
   fp8_capability: str = _field("per_kind", _one_of("per_kind", "uniform"))
   # Gradient reduction between data-parallel ranks: "fp8" (FP8 reduce-scatter in a shard_map

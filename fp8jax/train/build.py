@@ -22,7 +22,7 @@ from fp8jax.parallel.zero import ZeroPlan
 from fp8jax.train.memory import GiB, step_bytes
 from fp8jax.train.optimizer import make_fused_update, make_optimizer, schedule_for
 from fp8jax.train.model import RunModel
-from fp8jax.train.step import TrainStep, build_step
+from fp8jax.train.step import PipelineLoop, TrainStep, build_step
 
 AUTO_FIELDS = ("attention_impl", "remat_policy", "scan_layers")
 # Share of a device's memory (the allocator's limit) a step chosen by resolve_auto may fill.
@@ -267,6 +267,14 @@ def fused_update_fn(config, schedule, plan: ZeroPlan) -> Callable | None:
                            weight_decay=t.weight_decay, clip_norm=t.gradient_clipping)
 
 
+def pipeline_loop(config, plan: ZeroPlan, model) -> PipelineLoop | None:
+  """The pipeline loop of a run with ``parallel.pipeline_parallel_size`` > 1 (`model` cut
+  into its parts, the configured schedule on the plan's mesh); None without stages."""
+  if config.parallel.pipeline_parallel_size == 1:
+    return None
+  return PipelineLoop(plan.mesh, model.parts(), config.parallel.pipeline_schedule)
+
+
 class StepCache:
   """The run's compiled train steps: one per model, or one per (model, microbatch count) when
   the count is fixed per step.
@@ -307,7 +315,7 @@ class StepCache:
           growth_interval=c.grad_comm_growth_interval(), fused_update=self.fused_update,
           cast_weights=weight_cast_fn(c, model, microbatches),
           matrix_dtype=c.model.dtype if c.model.builder is None else None,
-          parts=model.parts() if c.parallel.pipeline_parallel_size > 1 else None))
+          pipeline=pipeline_loop(c, self.plan, model)))
     return self._steps[key][1]
 
   def built(self) -> list[tuple]:

@@ -37,7 +37,7 @@ from fp8jax.train.progress import ProgressBar
 from fp8jax.train.resume import (RunCheckpoints, RunRecords, claim_run_dir, records_of,
                                  saved_fallback, stopped_line)
 from fp8jax.train.state import load_params, state_init_fn
-from fp8jax.train.step import PipelineLoop, TrainStep, make_eval_step
+from fp8jax.train.step import TrainStep, make_eval_step
 
 logger = logging.getLogger("fp8jax")
 
@@ -98,11 +98,9 @@ class Trainer:
     self.steps = build.StepCache(
         self.config, self.tx, self.plan, self._fused_update,
         self.balanced_counts if self.group_seconds is not None else None)
-    pipe = None
-    if self.config.parallel.pipeline_parallel_size > 1:  # (the reference families only)
-      pipe = PipelineLoop(self.plan.mesh, self.calibration.model.parts())
-    self._eval = jax.jit(make_eval_step(self.calibration.model.apply,
-                                         self.plan.weight_gather(), pipe))
+    self._eval = jax.jit(make_eval_step(
+        self.calibration.model.apply, self.plan.weight_gather(),
+        build.pipeline_loop(self.config, self.plan, self.calibration.model)))
     linen = isinstance(first, nn.Module)  # (the probe reads linen collections)
     self._health = self._health_probe() if recipe is not None and linen else None
 
@@ -228,12 +226,13 @@ class Trainer:
         print(f"fp8jax train: {line}")
       if self.group_seconds is not None:
         print(f"fp8jax train: {self._balance_line(self.config.microbatches_at(start))}")
-      stages = self.config.parallel.pipeline_parallel_size
+      stages, schedule = (self.config.parallel.pipeline_parallel_size,
+                          self.config.parallel.pipeline_schedule)
       if stages > 1:
         k = self.config.microbatches_at(start)
-        print(f"fp8jax train: pipeline of {stages} stages over {k} microbatches (GPipe): "
-              f"bubble (P-1)/(k+P-1) = {pipeline.bubble_fraction(stages, k):.1%} of each "
-              f"stage's step")
+        print(f"fp8jax train: pipeline of {stages} stages over {k} microbatches "
+              f"({schedule}): bubble {pipeline.bubble_fraction(stages, k, schedule):.1%} "
+              f"of each stage's step")
     print(f"fp8jax train: model {self.run_model.name}, level {self.level.name}, "
           f"{n / 1e6:.2f}M params "
           f"({state_bytes:.2f} bytes/param of weights + optimizer state), {t.steps} steps, "

@@ -192,12 +192,16 @@ class PipelineLoop:
       shared)``, ``embed(shared, tokens) -> x``, ``layers(stacked, x) -> x`` and
       ``logits(shared, x) -> logits`` (``fp8jax.models.layers.DecoderParts``, from
       ``model.parts()``).
+    schedule: "gpipe" (all forwards, then all backwards: k kept inputs per stage) or "1f1b"
+      (interleaved: at most 2P - 1 kept inputs, a larger bubble; ``fp8jax.parallel.pipeline``).
   """
 
   mesh: Mesh
   parts: Any
+  schedule: str = "gpipe"
 
   def __post_init__(self):
+    pipeline_lib.check_schedule(self.schedule)
     if pipe_size(self.mesh) < 2:
       raise ValueError(f"the pipeline loop needs a mesh with a 'pipe' axis of 2 or more "
                        f"stages, got axes {dict(self.mesh.shape)}")
@@ -224,8 +228,9 @@ class PipelineLoop:
 
 def pipeline_microbatches(loop: PipelineLoop, variables, batch, microbatches: int):
   """The pipeline loop: `batch` int32[B, T+1] split into `microbatches` equal parts run
-  through the stages of ``loop.mesh``'s "pipe" axis (GPipe: :func:`fp8jax.parallel.pipeline.
-  gpipe`; each part's sequences stay split over the batch axes). Returns (mean loss, mean
+  through the stages of ``loop.mesh``'s "pipe" axis (``loop.schedule``: GPipe or 1F1B,
+  :mod:`fp8jax.parallel.pipeline`; each part's sequences stay split over the batch axes).
+  Returns (mean loss, mean
   parameter gradients in f32 and FP8 state combined by max), as :func:`scan_microbatches`."""
   if batch.shape[0] % microbatches:
     raise ValueError(f"batch of {batch.shape[0]} sequences does not split into "
@@ -235,8 +240,8 @@ def pipeline_microbatches(loop: PipelineLoop, variables, batch, microbatches: in
   parts = lax.with_sharding_constraint(
       parts, NamedSharding(loop.mesh, P(None, layout.group_axes(loop.mesh))))
   stacked, shared = loop.parts.split(variables)
-  loss, g_stacked, g_shared = pipeline_lib.pipeline_grads(loop.stage_fns(), loop.mesh,
-                                                          stacked, shared, parts)
+  loss, g_stacked, g_shared = pipeline_lib.pipeline_grads(
+      loop.stage_fns(), loop.mesh, stacked, shared, parts, schedule=loop.schedule)
   grads = loop.parts.merge(g_stacked, g_shared)
   return loss, {**grads, "params": jax.tree.map(widen, grads["params"])}
 
@@ -458,7 +463,8 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
                grad_comm: str = "native", comm_scaling: str = "current",
                growth_interval: int = 1000, fused_update: Callable | None = None,
                cast_weights: Callable | None = None, matrix_dtype=None,
-               skip_nonfinite: bool = True, parts: Any = None) -> TrainStep:
+               skip_nonfinite: bool = True,
+               pipeline: PipelineLoop | None = None) -> TrainStep:
   """The jitted step of `plan`'s layout for a step of `microbatches` microbatches.
 
   Args:
@@ -472,8 +478,8 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
     microbatch_size: sequences per microbatch (needed with `counts` or `dynamic`).
     skip_nonfinite: wrap the step in ``guards.skip_nonfinite_steps`` (metrics gain
       ``skipped``).
-    parts: the model cut into parts (``model.parts()``, see :class:`PipelineLoop`); needed
-      when the plan's mesh has pipeline stages.
+    pipeline: the pipeline loop's settings (:class:`PipelineLoop` on the plan's mesh);
+      needed when that mesh has pipeline stages, refused otherwise.
     Other arguments: as for :func:`make_train_step`.
 
   On a mesh with a "pipe" axis the loop is the pipeline's (:func:`pipeline_microbatches`,
@@ -503,15 +509,20 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
                        f"microbatches of {microbatch_size} sequences")
     return k
 
-  if pipe_size(mesh) > 1:
+  if (pipeline is not None) != (pipe_size(mesh) > 1) or (
+      pipeline is not None and pipeline.mesh != mesh):
+    raise ValueError(f"build_step: a plan whose mesh has {pipe_size(mesh)} pipeline stages "
+                     f"needs {'a PipelineLoop on that mesh' if pipe_size(mesh) > 1 else 'no'} "
+                     f"pipeline, got {pipeline!r}")
+  if pipeline is not None:
     unsupported = {"counts": counts is not None, "dynamic": dynamic,
                    "grad_comm='fp8'": grad_comm == "fp8", "cast_weights": cast_weights is not None}
     if any(unsupported.values()):
       raise ValueError(f"build_step: pipeline parallelism ({pipe_size(mesh)} stages) does not "
                        f"support {[k for k, v in unsupported.items() if v]} yet; leave them out")
-    step = make_train_step(apply_fn, tx, microbatches,
-                           pipeline=PipelineLoop(mesh, parts), reduce_gradients=plan.reduce_fn(),
-                           fused_update=fused_update, matrix_dtype=matrix_dtype)
+    step = make_train_step(apply_fn, tx, microbatches, pipeline=pipeline,
+                           reduce_gradients=plan.reduce_fn(), fused_update=fused_update,
+                           matrix_dtype=matrix_dtype)
     place = lambda batch: (layout.put_global(batch, sharding),)
     batch_shardings = (sharding,)
   elif per_group:

@@ -40,14 +40,14 @@ def _flat(tree) -> np.ndarray:
   return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])
 
 
-def _step_grads(model, variables, batch, mesh=None):
+def _step_grads(model, variables, batch, mesh=None, schedule="gpipe"):
   """(mean loss, gradients) of one step of K microbatches: the uniform loop on one device
-  (`mesh` None) or the pipeline loop over `mesh`."""
+  (`mesh` None) or the pipeline loop over `mesh` with `schedule`."""
   if mesh is None:
     grad_fn = lambda v, part: jax.value_and_grad(
         lambda v: next_token_loss(model.apply, v, part))(v)
     return jax.jit(lambda v, b: scan_microbatches(grad_fn, v, b, K))(variables, batch)
-  loop = PipelineLoop(mesh, model.parts())
+  loop = PipelineLoop(mesh, model.parts(), schedule)
   # Laid out as a train state: layers over "pipe", heads and MLP width over "tensor".
   variables = jax.device_put(variables, zero.replicated(variables, mesh))
   return jax.jit(lambda v, b: pipeline_microbatches(loop, v, b, K))(variables, batch)
@@ -63,14 +63,15 @@ def data():
 
 def _variables(level: str, dtype: str, seed: int):
   model = GPT(ModelConfig(**MODEL, dtype=dtype), opt_level(level).recipe)
-  return model, model.init(jax.random.key(seed), jnp.zeros((2, SEQ), jnp.int32))
+  return model, jax.jit(model.init)(jax.random.key(seed), jnp.zeros((2, SEQ), jnp.int32))
 
 
-@pytest.mark.parametrize("level, stages, data_size, tensor", [
-    ("O0", 2, 4, 1), ("O0", 4, 2, 1), ("O1", 4, 2, 1), ("O1", 2, 2, 2)])
-def test_pipeline_matches_one_device_in_f32(data, level, stages, data_size, tensor):
-  """In f32 compute the schedule is one device's math in another summation order (also with
-  tensor parallelism inside the stages): loss, parameter gradients (embedding and head on the
+@pytest.mark.parametrize("level, stages, data_size, tensor, schedule", [
+    ("O0", 2, 4, 1, "gpipe"), ("O0", 4, 2, 1, "gpipe"), ("O1", 4, 2, 1, "gpipe"),
+    ("O1", 2, 2, 2, "gpipe"), ("O1", 4, 2, 1, "1f1b")])
+def test_pipeline_matches_one_device_in_f32(data, level, stages, data_size, tensor, schedule):
+  """In f32 compute either schedule is one device's math in another summation order (also
+  with tensor parallelism inside the stages): loss, parameter gradients (embedding and head on the
   first / last stage, each stage's layers) and the FP8 state (max-combined over the
   microbatches; every layer's state from its own stage) agree to f32 rounding."""
   seed, batch, cache = data
@@ -79,7 +80,7 @@ def test_pipeline_matches_one_device_in_f32(data, level, stages, data_size, tens
     cache[level] = _step_grads(model, variables, batch)
   ref_loss, ref = cache[level]
   mesh = parallel.make_mesh(data=data_size, tensor=tensor, pipe=stages)
-  loss, got = _step_grads(model, variables, batch, mesh)
+  loss, got = _step_grads(model, variables, batch, mesh, schedule)
   assert abs(float(loss) - float(ref_loss)) < 1e-6 * float(ref_loss)
   assert jax.tree.structure(got) == jax.tree.structure(ref)
   for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(got["params"])[0],
@@ -158,16 +159,19 @@ def test_decoder_parts_are_the_model(key, family):
     model = Llama(LlamaConfig(vocab_size=256, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2,
                               d_ff=64, max_seq_len=16), opt_level("O1").recipe)
   tokens = jax.random.randint(key, (2, SEQ), 0, 256)
-  variables = model.init(jax.random.key(1), tokens)
+  variables = jax.jit(model.init)(jax.random.key(1), tokens)
   parts = model.parts()
   stacked, shared = parts.split(variables)
   assert "layers" not in shared["params"] and parts.merge(stacked, shared) == variables
-  halves = [jax.tree.map(lambda a, h=h: a[2 * h:2 * h + 2], stacked) for h in (0, 1)]
-  x = parts.embed(shared, tokens)
-  for half in halves:
-    x = parts.layers(half, x)
-  got = parts.logits(shared, x)
-  want = model.apply(variables, tokens)
+
+  @jax.jit
+  def cut(stacked, shared, tokens):
+    x = parts.embed(shared, tokens)
+    for h in (0, 1):
+      x = parts.layers(jax.tree.map(lambda a: a[2 * h:2 * h + 2], stacked), x)
+    return parts.logits(shared, x)
+  got = cut(stacked, shared, tokens)
+  want = jax.jit(model.apply)(variables, tokens)
   assert got.dtype == want.dtype == jnp.float32 and np.abs(np.asarray(want)).max() > 0
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
@@ -176,6 +180,9 @@ def test_bubble_fraction_and_stage_checks():
   assert pipeline.bubble_fraction(2, 2) == pytest.approx(1 / 3)
   assert pipeline.bubble_fraction(4, 12) == pytest.approx(3 / 15)
   assert pipeline.bubble_fraction(1, 5) == 0
+  assert pipeline.bubble_fraction(4, 12, "1f1b") == pytest.approx(6 / 18)
+  with pytest.raises(ValueError, match="pipeline schedule 'zb' is not allowed; use one of"):
+    pipeline.bubble_fraction(2, 4, "zb")
   with pytest.raises(ValueError, match="2 stages needs at least 2 microbatches per step, got 1"):
     pipeline.check_stages(2, 1)
   with pytest.raises(ValueError, match="6 layers do not split over 4 pipeline stages"):
@@ -228,10 +235,13 @@ def test_bad_pipeline_configs_are_refused(over, message):
     config_from_dict(over)
 
 
-def test_pipeline_knob_is_accepted():
+def test_pipeline_knobs_are_accepted():
   cfg = config_from_dict({"train": {"microbatches": 4},
-                          "parallel": {"pipeline_parallel_size": 4}})
-  assert cfg.parallel.pipeline_parallel_size == 4
+                          "parallel": {"pipeline_parallel_size": 4, "pipeline_schedule": "1f1b"}})
+  assert (cfg.parallel.pipeline_parallel_size, cfg.parallel.pipeline_schedule) == (4, "1f1b")
+  with pytest.raises(ValueError, match=r"parallel.pipeline_schedule='zb' is not allowed; use "
+                                       r"one of \['gpipe', '1f1b'\]"):
+    config_from_dict({"parallel": {"pipeline_schedule": "zb"}})
 
 
 def _trainer_config(run_dir, stages: int, steps: int, **checkpoint):
