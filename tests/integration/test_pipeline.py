@@ -8,7 +8,9 @@ import shutil
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import ft_util
 
@@ -18,8 +20,9 @@ from fp8jax.linen import FP8_COLLECTION
 from fp8jax.models.gpt import GPT, ModelConfig
 from fp8jax.parallel import pipeline, zero
 from fp8jax.recipe import opt_level
-from fp8jax.train.step import PipelineLoop, next_token_loss, pipeline_microbatches, \
-    scan_microbatches
+from fp8jax.train.state import TrainState
+from fp8jax.train.step import PipelineLoop, build_step, make_train_step, next_token_loss, \
+    pipeline_microbatches, scan_microbatches
 
 MODEL = dict(vocab_size=256, d_model=32, n_layers=4, n_heads=2, d_ff=64, max_seq_len=16)
 K, MB, SEQ = 4, 8, 8  # microbatches per step, sequences per microbatch, tokens per sequence
@@ -94,10 +97,39 @@ def test_pipeline_matches_one_device_in_f32(data, level, stages, data_size, tens
     assert _rel(_flat(fp8), _flat(fp8_ref)) < 1e-6
 
 
+def test_built_step_with_zero3_matches_one_device(data):
+  """``build_step`` on a ZeRO-3 plan over pipe 2 x data 4 (f32 compute, O1, SGD with momentum:
+  the update mirrors the gradient): every array of the layers lives split over "pipe" (and
+  over the data axes where ZeRO splits it), and one step gives one device's parameters,
+  momentum and FP8 state to f32 rounding."""
+  seed, batch, _ = data
+  model, variables = _variables("O1", "float32", seed)
+  tx = optax.sgd(0.1, momentum=0.9)
+
+  def init():
+    return TrainState(jnp.zeros((), jnp.int32), variables["params"],
+                      variables[FP8_COLLECTION], tx.init(variables["params"]))
+  ref, ref_metrics = jax.jit(make_train_step(model.apply, tx, K))(init(), batch)
+  mesh = parallel.make_mesh(data=4, pipe=2)
+  plan = parallel.plan(init(), mesh, 3, level=opt_level("O1"))
+  step = build_step(model.apply, tx, plan, K, pipeline=PipelineLoop(mesh, model.parts()))
+  state, metrics = step(plan.shard_state(init()), batch)
+  kernel = state.params["layers"]["mlp"]["fc_in"]["kernel"]
+  assert kernel.sharding.spec == P("pipe", None, ("data", "fsdp"))
+  assert kernel.addressable_shards[0].data.shape == (2, 32, 16)
+  assert all(x.sharding.spec[0] == "pipe" for x in jax.tree.leaves(state.fp8["layers"]))
+  assert abs(float(metrics["loss"]) - float(ref_metrics["loss"])) < 1e-6 * float(
+      ref_metrics["loss"])
+  host = lambda tree: _flat(parallel.to_host(tree))
+  p0 = _flat(variables["params"])
+  assert _rel(host(state.params) - p0, _flat(ref.params) - p0) < 1e-5  # the update
+  assert _rel(host(state.opt_state), _flat(ref.opt_state)) < 1e-5  # the momentum
+  assert _rel(host(state.fp8), _flat(ref.fp8)) < 1e-6
+
+
 def test_pipelined_evaluation_is_the_models_loss(data):
   """The forward-only schedule (one microbatch through 4 stages, f32 compute, O1) gives the
   model's loss."""
-  from fp8jax.train.state import TrainState
   from fp8jax.train.step import make_eval_step
   seed, batch, _ = data
   model, variables = _variables("O1", "float32", seed)
@@ -244,24 +276,26 @@ def test_pipeline_knobs_are_accepted():
     config_from_dict({"parallel": {"pipeline_schedule": "zb"}})
 
 
-def _trainer_config(run_dir, stages: int, steps: int, **checkpoint):
+def _trainer_config(run_dir, stages: int, steps: int, schedule: str = "gpipe", **checkpoint):
   return config_from_dict({
       "model": {"d_model": 32, "n_layers": 4, "n_heads": 2, "d_ff": 64, "max_seq_len": 16,
                 "dtype": "float32"},
       "data": {"seq_len": 16, "max_bytes": 200_000},
       "train": {"steps": steps, "batch_size": 16, "microbatches": 4, "warmup_steps": 1,
                 "eval_every": 0, "log_every": 1, "fp8_health_every": 0, "opt_level": "O1"},
-      "parallel": {"pipeline_parallel_size": stages, "zero_stage": 1} if stages > 1 else {},
+      "parallel": ({"pipeline_parallel_size": stages, "pipeline_schedule": schedule,
+                    "zero_stage": 1} if stages > 1 else {}),
       "checkpoint": checkpoint, "runtime": {"run_dir": str(run_dir)}})
 
 
 @pytest.mark.slow
 def test_checkpoint_resumes_onto_other_pipeline_sizes(tmp_path):
-  """A run on 2 stages (x data 4, ZeRO-1, O1) checkpoints after step 2; resumed on 4 stages
-  (x data 2, ZeRO-1) and on one device it continues with the uninterrupted run's losses:
-  the state (parameters, Adam moments, FP8 state, data position) keeps its stacked layout,
-  only its sharding changes. f32 compute, so the runs differ in summation order only (in
-  BF16 the one-device run rounds elsewhere: ~1e-3, see test_pipeline_runs_fp8_within_its_bound)."""
+  """A run on 2 stages (x data 4, ZeRO-1, O1, GPipe) checkpoints after step 2; resumed on 4
+  stages (x data 2, ZeRO-1, 1F1B) and on one device it continues with the uninterrupted run's
+  losses: the state (parameters, Adam moments, FP8 state, data position) keeps its stacked
+  layout, only its sharding changes. f32 compute, so the runs differ in summation order only
+  (in BF16 the one-device run rounds elsewhere: ~1e-3, see
+  test_pipeline_runs_fp8_within_its_bound)."""
   from fp8jax.train.loop import Trainer
   ref = Trainer(_trainer_config(tmp_path / "ref", 2, 4, checkpoint_every_n_steps=2),
                 progress=False)
@@ -274,7 +308,8 @@ def test_checkpoint_resumes_onto_other_pipeline_sizes(tmp_path):
   for stages in (4, 1):
     run_dir = tmp_path / f"resumed{stages}"
     shutil.copytree(tmp_path / "ref" / "checkpoints" / "2", run_dir / "checkpoints" / "2")
-    trainer = Trainer(_trainer_config(run_dir, stages, 4, auto_resume=True), progress=False)
+    trainer = Trainer(_trainer_config(run_dir, stages, 4, "1f1b", auto_resume=True),
+                      progress=False)
     trainer.run()
     got = dict(ft_util.losses(run_dir))
     assert sorted(got) == [3, 4]
