@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import flax.linen as nn
 import jax
@@ -381,6 +381,10 @@ class Decoder(nn.Module):
       (level O0).
   """
 
+  # Under an active fp8jax.fsdp.WeightGather (ZeRO-3) it gathers every sharded parameter
+  # where it uses it (fp8jax.train.step.build_step(gathers_at_use=...)).
+  gathers_at_use: ClassVar[bool] = True
+  layer_stacks: ClassVar[tuple[str, ...]] = ("layers",)  # scanned: stacked along dimension 0
   config: Any
   recipe: Recipe | None = None
 

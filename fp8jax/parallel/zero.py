@@ -20,8 +20,8 @@ replicate across "data", i.e. hybrid sharding):
   GEMM multiplies directly: one rounding per step, as on one device. Other parameters cross
   in the model's compute dtype (GEMM weights) or the master payload dtype (FP16 with a
   power-of-two scale at O2/O3, lossless) or as stored (f32 at O0/O1).
-  The per-group loop (``shard_map``) still gathers the whole model before its loop
-  (:meth:`ZeroPlan.gather_fn`: FP8 kernels as E4M3 + scale, cast again by their GEMM).
+  The per-group loop (``shard_map``) does the same with explicit collectives
+  (``fp8jax.train.step.GroupLoop``).
 
 Rule per array: shard the largest dimension divisible by the product of the ZeRO axes' sizes
 (the first such on ties); replicate arrays where none divides, scalars, and the FP8 meta.
@@ -47,23 +47,19 @@ import math
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from fp8jax.fsdp import WeightGather, constrain_bits
-from fp8jax.optim.scaled import quantize_scaled
+from fp8jax.fsdp import WeightGather
 from fp8jax.parallel.combine import combine_options
 from fp8jax.parallel.layout import batch_sharding, put_global
 from fp8jax.parallel.mesh import BATCH_AXES, PIPE, TENSOR
 from fp8jax.parallel.pipeline import pipe_dim
 from fp8jax.parallel.tensor import GPT_RULES, tensor_dim
-from fp8jax.params import leaf_name
 
 STAGES = (0, 1, 2, 3)
 ZERO_AXES = BATCH_AXES
 HOST_MEMORY = "pinned_host"
-FP8_GATHER_DTYPE = jnp.float8_e4m3fn
 
 
 def check_stage(stage) -> int:
@@ -168,35 +164,6 @@ def reduce_gradients(grads, mesh: Mesh, stage: int, axes: Sequence[str] = ZERO_A
   return _constrain(grads, mesh, axes, stage >= 2, rules)
 
 
-def _gather_leaf(path, x, mesh: Mesh, axes, dtype, rules: Sequence = GPT_RULES):
-  """`x` replicated over the ZeRO axes (tensor-parallel dimensions stay split), travelling in
-  `dtype` (None: as it is) with a straight-through gradient that is reduce-scattered back to
-  `x`'s ZeRO layout."""
-  rep = NamedSharding(mesh, leaf_spec(path, x.shape, mesh, axes, False, rules))
-  home = NamedSharding(mesh, leaf_spec(path, x.shape, mesh, axes, True, rules))
-
-  def value(x):
-    if dtype is None:
-      return jax.lax.with_sharding_constraint(x, rep)
-    quantize = lambda t: quantize_scaled(t, dtype, power_of_two=dtype != FP8_GATHER_DTYPE)
-    per_slice = x.ndim >= 3  # stacked over scanned layers: one scale per layer
-    q = jax.vmap(quantize)(x) if per_slice else quantize(x)
-    data = constrain_bits(q.data, rep)
-    scale = q.scale.reshape(q.scale.shape + (1,) * (x.ndim - q.scale.ndim))
-    # An FP8 kernel is re-quantized by its GEMM: BF16 holds it for that at half the bytes of
-    # f32 (the gathered model is the largest buffer of a stage-3 step).
-    wide = jnp.bfloat16 if dtype == FP8_GATHER_DTYPE else x.dtype
-    return (data.astype(jnp.float32) * scale).astype(wide)
-
-  @jax.custom_vjp
-  def gather(x):
-    return value(x)
-
-  gather.defvjp(lambda x: (value(x), None),
-                lambda _, g: (jax.lax.with_sharding_constraint(g.astype(x.dtype), home),))
-  return gather(x)
-
-
 @dataclasses.dataclass(frozen=True)
 class LeafSpecs:
   """``(path, shape) -> (home, gathered)`` PartitionSpecs of a parameter as
@@ -213,29 +180,6 @@ class LeafSpecs:
             shard_spec(shape, self.mesh, (), tensor, pipe))
 
 
-def gather_params(params, mesh: Mesh, *, fp8_kernels: bool, payload_dtype=None,
-                  axes: Sequence[str] = ZERO_AXES, rules: Sequence = GPT_RULES):
-  """Stage-3 forward weights gathered all at once, before the forward (the per-group
-  loop's gather; the uniform step gathers per use, :meth:`ZeroPlan.weight_gather`).
-
-  Args:
-    params: the model's parameters (decoded master weights), sharded.
-    fp8_kernels: gather leaves named "kernel" in E4M3 + scale (levels with FP8 GEMMs).
-    payload_dtype: dtype other float leaves travel in with a power-of-two scale (the master
-      dtype, FP16 at O2/O3), or None to gather them as they are.
-  """
-  def one(path, x):
-    if leaf_spec(path, x.shape, mesh, axes, True, rules) == \
-        leaf_spec(path, x.shape, mesh, axes, False, rules):
-      return x  # not ZeRO-sharded: nothing to gather
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      return _gather_leaf(path, x, mesh, axes, None, rules)
-    if fp8_kernels and leaf_name(path) == "kernel":
-      return _gather_leaf(path, x, mesh, axes, FP8_GATHER_DTYPE, rules)
-    return _gather_leaf(path, x, mesh, axes, payload_dtype, rules)
-  return jax.tree_util.tree_map_with_path(one, params)
-
-
 @dataclasses.dataclass(frozen=True)
 class ZeroPlan:
   """How one train state is laid out and stepped over a mesh.
@@ -247,8 +191,6 @@ class ZeroPlan:
     batch: NamedSharding of a batch int32[B, T+1].
     axes: mesh axes the ZeRO state is sharded over.
     offload: optimizer state kept in host memory between steps.
-    fp8_gather: the per-group loop's stage-3 gather (:meth:`gather_fn`) sends FP8 kernels
-      as E4M3 + scale (the uniform step's GEMMs gather their own weights as E4M3).
     payload_dtype: dtype other stage-3 parameters are gathered in (None: as stored).
     compiler_options: XLA compile options of the step (``combine.combine_options``).
   """
@@ -259,7 +201,6 @@ class ZeroPlan:
   batch: NamedSharding
   axes: tuple[str, ...] = ZERO_AXES
   offload: bool = False
-  fp8_gather: bool = False
   payload_dtype: Any = None
   compiler_options: dict | None = None
   rules: tuple = GPT_RULES
@@ -280,16 +221,6 @@ class ZeroPlan:
       return None
     return WeightGather(self.mesh, LeafSpecs(self.mesh, self.axes, self.rules),
                         payload_dtype=self.payload_dtype)
-
-  def gather_fn(self) -> Callable | None:
-    """Stage 3: ``params -> params`` all-gathering the whole model's forward weights at once
-    as :func:`gather_params` does with this plan's payloads (FP8 kernels travel as E4M3 bits +
-    scale), for the per-group loop; None below."""
-    if self.stage < 3:
-      return None
-    return lambda p: gather_params(p, self.mesh, fp8_kernels=self.fp8_gather,
-                                   payload_dtype=self.payload_dtype, axes=self.axes,
-                                   rules=self.rules)
 
   def reduce_fn(self) -> Callable | None:
     """Stages 1-3: ``grads -> grads`` laying parameter gradients out as
@@ -320,8 +251,9 @@ def plan(state, mesh: Mesh, stage: int, *, level=None, offload: bool = False,
   """The :class:`ZeroPlan` of `state` (arrays or ``jax.ShapeDtypeStruct``s) for ZeRO `stage`
   on `mesh`.
 
-  `level` (an ``fp8jax.OptLevel``) decides how stage 3 gathers: FP8 kernels when it has FP8
-  GEMMs, other parameters in its master dtype when that is narrower than f32. The bucket
+  `level` (an ``fp8jax.OptLevel``) decides how stage 3 gathers parameters other than GEMM
+  kernels: in its master dtype when that is narrower than f32 (kernels of FP8 GEMMs are
+  gathered as E4M3 by their GEMM whatever the level). The bucket
   sizes (bytes) become XLA combine thresholds (:mod:`fp8jax.parallel.combine`).
   `tensor_rules` split parameters over the mesh's "tensor" axis (:mod:`fp8jax.parallel.tensor`;
   the default suits the reference model).
@@ -330,12 +262,11 @@ def plan(state, mesh: Mesh, stage: int, *, level=None, offload: bool = False,
   axes = _check_axes(mesh, axes)
   rules = tuple(tensor_rules)
   shardings = state_shardings(state, mesh, stage, axes=axes, offload=offload, rules=rules)
-  fp8_gather = level is not None and level.fp8_gemms
   payload = None
   if level is not None and level.scaled_master:
     payload = np.dtype(level.master_dtype)
   return ZeroPlan(mesh, check_stage(stage), shardings, batch_sharding(mesh), axes, offload,
-                  fp8_gather, payload, options, rules)
+                  payload, options, rules)
 
 
 def device_bytes(tree) -> dict:

@@ -2,19 +2,22 @@
 
 One step ``(state, batch[, counts]) -> (state, metrics)`` is put together from:
 
-* weight gather (ZeRO-3): in the uniform loop the loss is traced under the plan's
-  ``fp8jax.fsdp.WeightGather``, so the model gathers each parameter where it uses it (FP8
-  kernels as E4M3 bytes inside their GEMM, per layer inside the layer scan); the group loop
-  gathers the whole model once before ``shard_map`` (``gather_params``); none below stage 3;
+* weight gather (ZeRO-3): the loss is traced under the plan's ``fp8jax.fsdp.WeightGather``,
+  so the model gathers each parameter where it uses it (FP8 kernels as E4M3 bytes inside
+  their GEMM, per layer inside the layer scan): XLA places the collectives in the uniform
+  loop, explicit collectives do it inside the group loop's ``shard_map``
+  (``GroupLoop.weight_gather``); none below stage 3;
 * the microbatch loop: :func:`scan_microbatches` (every device runs the same static number of
   microbatches of the global batch, XLA places the collectives), :func:`group_microbatches`
   (inside ``jax.shard_map``: each data-parallel group loops over its own number of
   microbatches with no collective in the loop, then one reduction) or
-  :func:`pipeline_microbatches` (pipeline stages over the mesh's "pipe" axis: the GPipe
-  schedule of :mod:`fp8jax.parallel.pipeline`);
-* gradient reduction: ZeRO's layout constraint (``reduce_gradients``) in the scanned loop, or
+  :func:`pipeline_microbatches` (pipeline stages over the mesh's "pipe" axis: the GPipe or
+  1F1B schedule of :mod:`fp8jax.parallel.pipeline`);
+* gradient reduction: ZeRO's layout constraint (``reduce_gradients``) in the scanned and
+  pipeline loops; in the group loop each ZeRO-3 gradient is reduce-scattered where the
+  backward makes it (f32, or FP8 with current scaling), the rest by
   :func:`fp8jax.parallel.grad_comm.reduce_over_groups` (f32 or FP8 with its scaling state)
-  after the group loop;
+  after the loop;
 * the update: :func:`apply_gradients` (the optax transform plus FP16 master weights, or the
   fused O2 update);
 * guards: ``fp8jax.train.guards.skip_nonfinite_steps``.
@@ -80,6 +83,14 @@ class GroupLoop:
     comm_scaling: "current" or "auto" (FP8-LM automatic scaling from ``state.comm``; needs
       grad_comm "fp8").
     growth_interval: clean steps before "auto" doubles a pre-scale.
+    weight_gather: ZeRO-3's ``fp8jax.fsdp.WeightGather`` (``ZeroPlan.weight_gather``), or
+      None. The parameters then enter the loop as their shards and the model gathers each one
+      where it uses it with explicit collectives (per layer, inside the layer loop); each
+      gradient is reduce-scattered where it is made (FP8 with current scaling under
+      grad_comm "fp8", else f32), so the loop accumulates only shards. Parameters the model
+      does not gather itself must not be split. Not with comm_scaling "auto".
+    layer_stacks: top-level parameter keys holding layer stacks (a scan slices them along
+      dimension 0: such leaves split along dimension 0 enter whole).
   """
 
   mesh: Mesh
@@ -87,10 +98,34 @@ class GroupLoop:
   grad_comm: str = "native"
   comm_scaling: str = "current"
   growth_interval: int = 1000
+  weight_gather: fsdp.WeightGather | None = None
+  layer_stacks: tuple[str, ...] = ()
 
   def __post_init__(self):
     grad_comm_lib.check_options(self.grad_comm, self.comm_scaling, self.growth_interval)
     object.__setattr__(self, "axes", layout.group_axes(self.mesh, self.axes))
+    if self.weight_gather is not None and self.auto:
+      raise ValueError("comm_scaling='auto' with ZeRO-3's per-layer gradient reduce-scatter "
+                       "is not supported (each layer's gradient is reduced inside its "
+                       "backward, where no scaling state flows); use comm_scaling 'current'")
+
+  def local_gather(self, params):
+    """(the WeightGather for inside ``shard_map``, the params' in_specs, a tree of bools:
+    gradient reduced at use) for global `params`; (None, P(), None) without
+    `weight_gather`."""
+    wg = self.weight_gather
+    if wg is None:
+      return None, P(), None
+    home = jax.tree_util.tree_map_with_path(
+        lambda path, x: wg.specs(jax.tree_util.keystr(path), np.shape(x))[0], params)
+    zero_axes = tuple(a for a in self.axes if any(
+        a in (e if isinstance(e, tuple) else (e,)) for s in jax.tree.leaves(
+            home, is_leaf=lambda x: isinstance(x, P)) for e in s if e is not None))
+    table, specs = fsdp.local_table(params, home, zero_axes or self.axes, dict(self.mesh.shape),
+                                    tuple(self.layer_stacks))
+    reduce = grad_comm_lib.fp8_sum_into if self.grad_comm == "fp8" else None
+    reduced = jax.tree.map(lambda s: s != P(), specs, is_leaf=lambda x: isinstance(x, P))
+    return dataclasses.replace(wg, local=table, reduce=reduce), specs, reduced
 
   @property
   def groups(self) -> int:
@@ -143,7 +178,7 @@ def _max_over_groups(tree, axes):
 
 
 def group_microbatches(grad_fn: Callable, loop: GroupLoop, variables, batch, counts, repeats,
-                       comm):
+                       comm, reduced=None):
   """One group's loop over its own microbatches, then the one cross-group reduction (call
   inside ``shard_map`` over `loop.axes`).
 
@@ -153,6 +188,8 @@ def group_microbatches(grad_fn: Callable, loop: GroupLoop, variables, batch, cou
     repeats: extra forward+backward passes per microbatch whose results are added times zero
       (a slowdown hook for tests and benchmarks: same program, different data).
     comm: ``CommScaling`` (grad_comm "fp8", comm_scaling "auto") or None.
+    reduced: None, or a tree of bools like the parameters: True where the gradient comes
+      out of `grad_fn` already summed over the groups (ZeRO-3 inside the loop).
   Returns (mean loss, gradients, new comm).
   """
   batch, count, repeat = batch[0], counts[0], repeats[0]
@@ -174,12 +211,27 @@ def group_microbatches(grad_fn: Callable, loop: GroupLoop, variables, batch, cou
   loss_sum, acc = lax.fori_loop(0, count, one,
                                 (jnp.zeros((), jnp.float32), accumulator_zeros(variables)))
   total, loss_sum = lax.psum((count.astype(jnp.float32), loss_sum), loop.axes)
-  params, comm = grad_comm_lib.reduce_over_groups(acc["params"], loop.axes, loop.grad_comm,
-                                                  comm, loop.growth_interval)
+  params, comm = _reduce_rest(acc["params"], reduced, loop, comm)
   params = jax.tree.map(lambda g: g / total.astype(g.dtype), params)
   rest = {k: v for k, v in acc.items() if k != "params"}
   grads = {**(_max_over_groups(rest, loop.axes) if rest else {}), "params": params}
   return loss_sum / total, grads, comm
+
+
+def _reduce_rest(grads, reduced, loop: GroupLoop, comm):
+  """`grads` summed over the groups (``grad_comm.reduce_over_groups``) except the leaves
+  `reduced` marks as summed already."""
+  if reduced is None:
+    return grad_comm_lib.reduce_over_groups(grads, loop.axes, loop.grad_comm, comm,
+                                            loop.growth_interval)
+  leaves, treedef = jax.tree.flatten(grads)
+  done = treedef.flatten_up_to(reduced)
+  rest = [g for g, d in zip(leaves, done) if not d]
+  if rest:
+    rest, comm = grad_comm_lib.reduce_over_groups(rest, loop.axes, loop.grad_comm, comm,
+                                                  loop.growth_interval)
+  it = iter(rest)
+  return jax.tree.unflatten(treedef, [g if d else next(it) for g, d in zip(leaves, done)]), comm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +301,6 @@ def pipeline_microbatches(loop: PipelineLoop, variables, batch, microbatches: in
 def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microbatches: int = 1,
                     *, groups: GroupLoop | None = None,
                     pipeline: PipelineLoop | None = None,
-                    gather_params: Callable | None = None,
                     weight_gather: fsdp.WeightGather | None = None,
                     reduce_gradients: Callable | None = None,
                     fused_update: Callable | None = None,
@@ -272,12 +323,9 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
     groups: run the per-group loop with these settings.
     pipeline: run the pipeline loop with these settings (with `reduce_gradients`,
       `fused_update` and `matrix_dtype` only; `microbatches` >= its stages).
-    gather_params: optional ``params -> params`` applied before the forward (ZeRO-3's weight
-      all-gather, ``ZeroPlan.gather_fn``): differentiated in the uniform loop (its gradient is
-      reduce-scattered back); applied once before ``shard_map`` in the group loop.
     weight_gather: optional ``fp8jax.fsdp.WeightGather`` (ZeRO-3, ``ZeroPlan.weight_gather``)
       the loss and its gradient are traced under: the model gathers its sharded parameters
-      where it uses them. Uniform loop only.
+      where it uses them. Uniform loop only (the group loop's is ``groups.weight_gather``).
     reduce_gradients: optional ``grads -> grads`` applied to each microbatch's f32 parameter
       gradients (uniform loop: ZeRO's all-reduce / reduce-scatter layout).
     fused_update: optional ``(master, opt_state, grads, finite, grad_norm) -> (master,
@@ -285,47 +333,41 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
       (:func:`fp8jax.train.optimizer.make_fused_update`).
     cast_weights: optional ``variables -> extra collections`` computed once per step before
       the microbatch loop (``fp8jax.linen.cast_weights``: FP8 weights cast once per optimizer
-      step, not once per microbatch); uniform loop only, not with `gather_params` or
-      `weight_gather` (the weights are gathered at use).
+      step, not once per microbatch); uniform loop only, not with `weight_gather` (the
+      weights are gathered at use).
     matrix_dtype: optional dtype the FP16 master weights' GEMM weights are decoded to for the
       forward and backward (the model's compute dtype, exact for a model that casts them to
       it before use; with `weight_gather` the shards are decoded); gradients are still
-      summed, reduced and clipped in f32. Uniform loop only, not with `gather_params`.
+      summed, reduced and clipped in f32. Uniform loop only.
   Metrics: loss (mean over the step's tokens), grad_norm (before clipping); with automatic
   comm scaling also comm_pre_scale_min and comm_saturated_max over the FP8 leaves.
   """
   if microbatches < 1:
     raise ValueError(f"microbatches={microbatches!r} is not allowed; use an integer >= 1")
-  if cast_weights is not None and (gather_params, weight_gather) != (None, None):
-    raise ValueError("cast_weights with gather_params or weight_gather is not supported: the "
-                     "weights are gathered per microbatch (ZeRO-3); cast them there")
+  if cast_weights is not None and weight_gather is not None:
+    raise ValueError("cast_weights with weight_gather is not supported: the weights are "
+                     "gathered per microbatch (ZeRO-3); cast them there")
   if weight_gather is not None and not isinstance(weight_gather, fsdp.WeightGather):
     raise TypeError(f"weight_gather must be an fp8jax.fsdp.WeightGather, got "
                     f"{type(weight_gather).__name__}")
-  if weight_gather is not None and (groups, gather_params) != (None, None):
-    raise ValueError("weight_gather belongs to the uniform loop and replaces gather_params; "
-                     "pass one of them")
-  if matrix_dtype is not None and gather_params is not None:
-    raise ValueError("matrix_dtype with gather_params is not supported: ZeRO-3 gathers the "
-                     "master weights' payloads itself")
+  if weight_gather is not None and groups is not None:
+    raise ValueError("weight_gather belongs to the uniform loop; the group loop takes "
+                     "groups.weight_gather")
   if matrix_dtype is not None and not jnp.issubdtype(jnp.dtype(matrix_dtype), jnp.floating):
     raise ValueError(f"matrix_dtype={matrix_dtype!r} is not a floating dtype")
   if groups is not None and (cast_weights, matrix_dtype, reduce_gradients) != (None,) * 3:
     raise ValueError("cast_weights, matrix_dtype and reduce_gradients belong to the uniform "
                      "loop; the group loop reduces through groups.grad_comm")
-  if pipeline is not None and (groups, gather_params, weight_gather, cast_weights) != \
-      (None,) * 4:
-    raise ValueError("the pipeline loop takes none of groups, gather_params, weight_gather "
-                     "and cast_weights (its stages hold their layers' weights)")
+  if pipeline is not None and (groups, weight_gather, cast_weights) != (None,) * 3:
+    raise ValueError("the pipeline loop takes none of groups, weight_gather and cast_weights "
+                     "(its stages hold their layers' weights)")
   if pipeline is not None:
     pipeline_lib.check_stages(pipeline.stages, microbatches)
 
-  def grad_fn(variables, part, extra=None, gather=None):
+  def grad_fn(variables, part, extra=None, at_use=weight_gather):
     def loss_of(v):
-      if gather is not None:
-        v = {**v, "params": gather(v["params"])}
       return next_token_loss(apply_fn, {**v, **(extra or {})}, part)
-    with fsdp.gathering(weight_gather):
+    with fsdp.gathering(at_use):
       loss, g = jax.value_and_grad(loss_of)(variables)
     if reduce_gradients is not None:
       g = {**g, "params": reduce_gradients(jax.tree.map(widen, g["params"]))}
@@ -337,7 +379,7 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
     if cast_weights is not None:  # once, for every microbatch
       extra = cast_weights(jax.lax.stop_gradient(variables))
     loss, grads = scan_microbatches(
-        functools.partial(grad_fn, extra=extra, gather=gather_params), variables, batch,
+        functools.partial(grad_fn, extra=extra), variables, batch,
         microbatches, count)
     # One static microbatch returns its gradient as it comes; the fused update reads it
     # narrow, the rest in f32.
@@ -349,8 +391,6 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
     if repeats is None:
       repeats = jnp.zeros_like(counts)
     variables = state.variables()
-    if gather_params is not None:  # not differentiated: gradients are taken inside
-      variables = {**variables, "params": gather_params(variables["params"])}
     comm = state.comm if groups.auto else None
     if groups.auto:
       want = len(jax.tree.leaves(variables["params"]))
@@ -358,15 +398,25 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
         raise ValueError(f"comm_scaling='auto' needs state.comm = CommScaling of shape "
                          f"[{want}] (one entry per parameter leaf), got "
                          f"{jax.tree.map(jnp.shape, comm)}; use init_grad_comm_scaling(params)")
+    at_use, param_spec, reduced = groups.local_gather(variables["params"])
     grad_spec: Any = P()
-    if groups.grad_comm == "fp8":
+    if groups.grad_comm == "fp8" or at_use is not None:
       grad_spec = {k: P() for k in variables}
-      grad_spec["params"] = grad_comm_lib.grad_specs(variables["params"], groups.axes,
-                                                     groups.groups)
+      grad_spec["params"] = (grad_comm_lib.grad_specs(variables["params"], groups.axes,
+                                                      groups.groups)
+                             if groups.grad_comm == "fp8" else
+                             jax.tree.map(lambda _: P(), variables["params"]))
+    if at_use is not None:  # the leaves reduced at use come out in their home layout
+      grad_spec["params"] = jax.tree.map(lambda s, g, d: s if d else g, param_spec,
+                                         grad_spec["params"], reduced,
+                                         is_leaf=lambda x: isinstance(x, P))
+    var_spec = {k: (param_spec if k == "params" else P()) for k in variables}
     spec = P(groups.axes)
-    local = functools.partial(group_microbatches, grad_fn, groups)
+    local = functools.partial(group_microbatches,
+                              functools.partial(grad_fn, at_use=at_use), groups)
     loss, grads, comm = jax.shard_map(
-        local, mesh=groups.mesh, in_specs=(P(), spec, spec, spec, P()),
+        lambda *a: local(*a, reduced=reduced), mesh=groups.mesh,
+        in_specs=(var_spec, spec, spec, spec, P()),
         out_specs=(P(), grad_spec, P()), check_vma=False)(
         variables, batch, counts, repeats, comm)
     new, metrics = apply_gradients(state, tx, grads, loss, fused_update)
@@ -463,7 +513,8 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
                grad_comm: str = "native", comm_scaling: str = "current",
                growth_interval: int = 1000, fused_update: Callable | None = None,
                cast_weights: Callable | None = None, matrix_dtype=None,
-               skip_nonfinite: bool = True,
+               skip_nonfinite: bool = True, gathers_at_use: bool = True,
+               layer_stacks: Sequence[str] = ("layers",),
                pipeline: PipelineLoop | None = None) -> TrainStep:
   """The jitted step of `plan`'s layout for a step of `microbatches` microbatches.
 
@@ -478,6 +529,10 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
     microbatch_size: sequences per microbatch (needed with `counts` or `dynamic`).
     skip_nonfinite: wrap the step in ``guards.skip_nonfinite_steps`` (metrics gain
       ``skipped``).
+    gathers_at_use: the model gathers its ZeRO-3 parameters where it uses them under an
+      active ``fp8jax.fsdp.WeightGather`` (the reference families: ``Decoder.gathers_at_use``).
+      False: the per-group loop gets them whole (the uniform loop leaves the rest to XLA).
+    layer_stacks: see :class:`GroupLoop` (the reference families scan "layers").
     pipeline: the pipeline loop's settings (:class:`PipelineLoop` on the plan's mesh);
       needed when that mesh has pipeline stages, refused otherwise.
     Other arguments: as for :func:`make_train_step`.
@@ -526,8 +581,12 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
     place = lambda batch: (layout.put_global(batch, sharding),)
     batch_shardings = (sharding,)
   elif per_group:
+    # ZeRO-3: a model that gathers its parameters at use does it inside the loop; another
+    # gets them whole (XLA gathers them before the loop)
     loop = GroupLoop(mesh, grad_comm=grad_comm, comm_scaling=comm_scaling,
-                     growth_interval=growth_interval)
+                     growth_interval=growth_interval,
+                     weight_gather=plan.weight_gather() if gathers_at_use else None,
+                     layer_stacks=tuple(layer_stacks))
     n = loop.groups
     if counts is not None:
       split = functools.lru_cache(maxsize=None)(
@@ -542,7 +601,6 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
       arrange = lambda batch, k, c: layout.layout_split(batch, k, n)
     slots = max(max(split(k)) for k in sizes)
     step = make_train_step(apply_fn, tx, microbatches, groups=loop,
-                           gather_params=plan.gather_fn(),
                            fused_update=fused_update)
 
     def place(batch):
