@@ -1,7 +1,7 @@
-"""Pipeline parallelism on 8 CPU devices: the GPipe schedule over "pipe" (x data) gives one
-device's loss, gradients and FP8 state (exactly, to summation order, in f32 compute; within
-FP8's bounds in BF16 compute), checkpoints move between pipeline sizes, bad settings are
-refused."""
+"""Pipeline parallelism on 8 CPU devices: the GPipe and 1F1B schedules over "pipe" (x data,
+x tensor, with ZeRO) give one device's loss, gradients and FP8 state (to summation order in
+f32 compute; within FP8's bounds in BF16 compute), the pipelined evaluation gives the model's
+loss, checkpoints move between pipeline sizes, bad settings are refused."""
 import os
 import shutil
 
