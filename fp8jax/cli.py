@@ -231,35 +231,6 @@ def _stages(text: str) -> list[int]:
     raise UsageError(f"--zero {text!r} is not a comma-separated list of stages 0..3") from None
 
 
-def model_shape(model_config):
-  """The :class:`fp8jax.parallel.cost_model.ModelShape` of a built-in family's config
-  (``ModelConfig``, ``LlamaConfig``) or of a config's model section."""
-  from fp8jax.models.family import family_of
-  from fp8jax.parallel.cost_model import ModelShape
-  cfg = model_config
-  if hasattr(cfg, "model_config"):  # a config's model section
-    cfg = model_config.model_config()
-    if cfg is None:
-      raise UsageError("simulate models the built-in families (model.family gpt or llama); "
-                       f"this config's model comes from model.builder={model_config.builder!r}")
-  fam = family_of(cfg)
-  d, v = cfg.d_model, cfg.vocab_size
-  matmul = fam.matmul_param_count(cfg)
-  # flops_per_token is affine in seq_len: its slope and intercept from two lengths
-  per_position = fam.flops_per_token(cfg, 2) - fam.flops_per_token(cfg, 1)
-  policy = getattr(cfg, "remat_policy", "full")
-  return ModelShape(
-      n_layers=cfg.n_layers, d_model=d, d_ff=cfg.d_ff, vocab_size=v,
-      kernel_params=matmul - (d * v if cfg.tie_embeddings else 0),
-      other_params=v * d + cfg.n_layers * 2 * d + d,  # embedding (a lookup) and norms
-      matmul_params=matmul, flops_per_token_fixed=fam.flops_per_token(cfg, 1) - per_position,
-      flops_per_position=per_position, remat=cfg.remat,
-      layer_kernel_params=(matmul - d * v) // cfg.n_layers, embedding_params=v * d,
-      gated_mlp=getattr(cfg, "mlp", "swiglu") == "swiglu",
-      remat_policy="full" if policy == "auto" else policy,  # auto: the memory-safe choice
-      compute_bytes=int(np.dtype(cfg.dtype).itemsize))
-
-
 def cmd_convert_hf(args) -> int:
   from fp8jax.train.export import export_hf
   step, files = export_hf(args.run_dir, args.out_dir, step=args.step, dtype=args.dtype,
@@ -303,6 +274,7 @@ def simulate_table(args) -> str:
   shapes and the assumptions."""
   from fp8jax.hardware import gpu_spec
   from fp8jax.parallel import sizing
+  from fp8jax.train.memory import model_shape
   kind = gpu_spec(args.kind).name
   seq_len = 4096 if args.seq_len is None else args.seq_len
   batch = 1024 if args.batch is None else args.batch
@@ -341,6 +313,7 @@ def cmd_simulate(args) -> int:
   from fp8jax.hardware import gpu_spec
   from fp8jax.parallel import cost_model as cm
   from fp8jax.recipe import opt_level
+  from fp8jax.train.memory import model_shape
   if args.table:
     print(simulate_table(args))
     return 0

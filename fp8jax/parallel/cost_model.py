@@ -10,10 +10,11 @@ split (:mod:`fp8jax.parallel.balance`) gives faster kinds more, and may leave sl
 
 with compute from FLOPs and an MFU calibrated on fp8jax runs (or from measured profiles),
 communication from ring-collective bytes over the slowest link, the update from HBM bytes.
-Memory per GPU decides the largest microbatch and whether a kind can run the level at all.
+Memory per GPU (:func:`device_memory`, the package's one memory model of a train step)
+decides the largest microbatch and whether a kind can run the level at all.
 Pure Python: no devices are needed. Every modelling constant is a field of
 :class:`Assumptions`; GPU facts come from :mod:`fp8jax.hardware`, the model's from a
-:class:`ModelShape` (``fp8jax.cli.model_shape`` builds one from a model config).
+:class:`ModelShape` (``fp8jax.train.memory.model_shape`` builds one from a model config).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ PROFILE_FORMAT = profile_lib.FORMAT
 # ----------------------------------------------------------------------------- model
 
 REMAT_POLICIES = ("full", "save_gemm_outputs", "save_gemm_io")
+ATTENTION_IMPLS = ("cudnn", "xla")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +63,9 @@ class ModelShape:
     remat_policy: what remat keeps ("full", "save_gemm_outputs", "save_gemm_io"; read only
       with `remat`).
     compute_bytes: bytes per element of the compute dtype (BF16: 2, f32: 4).
+    n_heads: attention (query) heads; needed with ``attention_impl="xla"``.
+    attention_impl: "cudnn" (flash attention: no T^2 term; ``save_gemm_outputs`` also keeps
+      its residuals) or "xla" (one layer's f32 scores and probabilities at a time).
   """
 
   n_layers: int
@@ -78,11 +83,21 @@ class ModelShape:
   gated_mlp: bool = False
   remat_policy: str = "full"
   compute_bytes: int = 2
+  n_heads: int = 0
+  attention_impl: str = "cudnn"
 
   def __post_init__(self):
     if self.remat_policy not in REMAT_POLICIES:
       raise ValueError(f"ModelShape.remat_policy={self.remat_policy!r} is not allowed; use one "
                        f"of {list(REMAT_POLICIES)}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"ModelShape.attention_impl={self.attention_impl!r} is not allowed; use "
+                       f"one of {list(ATTENTION_IMPLS)}")
+    if self.attention_impl == "xla" and (isinstance(self.n_heads, bool) or not isinstance(
+        self.n_heads, int) or self.n_heads < 1):
+      raise ValueError(f"ModelShape.n_heads={self.n_heads!r} is not allowed with "
+                       "attention_impl='xla' (its scores are n_heads x T^2 per sequence); use "
+                       "an integer >= 1")
     for name in ("n_layers", "d_model", "d_ff", "vocab_size", "compute_bytes"):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -216,7 +231,8 @@ class Assumptions(NamedTuple):
   # Memory kept free for workspaces, fragmentation and the runtime: fraction of HBM.
   workspace_reserve: float = 0.10
   # At O2/O3 the step decodes the FP16 master weights to the compute dtype once (BF16, bytes
-  # per parameter; fp8jax.train.step matrix_dtype): whole below ZeRO-3, the shards at 3.
+  # per parameter; fp8jax.train.step matrix_dtype): whole below ZeRO-3, the shards at 3. (The
+  # per-group step decodes to f32: device_memory counts 4 there.)
   fp8_working_copy_bytes: float = 2.0
   # Temporaries of the optimizer update, bytes per parameter it updates (the GPU's shard from
   # ZeRO stage 1). O2/O3 (the composed FP16-master update, which every sharded run takes):
@@ -437,28 +453,33 @@ def activation_bytes(model: ModelShape, seq_len: int, microbatch: int, level: st
   working set, and (`logits`) the f32 logits with their gradient, n V x 8.
 
   n tokens per microbatch, c compute bytes, F' the MLP's output width (2 d_ff when gated).
-  With remat, per layer and token: the layer input d c; ``save_gemm_outputs`` adds
-  (5 d + F') c (GEMM outputs and cuDNN attention's residuals), ``save_gemm_io`` also
-  (3 d + d_ff) FP8 input casts (c each at O0); working set (16 d + 3 F') c, its part beyond
-  4 d split over `tensor` ranks. Without remat 34 d bytes per token per layer (Korthikanti et
-  al. 2022), (10 + 24 / tensor) d with tensor parallelism. Flash/cuDNN attention: no T^2
-  term (fp8jax.train.memory counts XLA attention's).
+  With remat, per layer and token: the layer input d c; ``save_gemm_outputs`` adds the qkv,
+  attention-out and MLP-in outputs (4 d + F') c and, with cuDNN attention, its residuals
+  d c; ``save_gemm_io`` also (3 d + d_ff) FP8 input casts (c each at O0); all three split over
+  `tensor` ranks. Working set (16 d + 3 F') c: one layer recomputed and differentiated, its
+  part beyond 4 d split over `tensor` ranks. Without remat 34 d bytes per token per layer
+  (Korthikanti et al. 2022), (10 + 24 / tensor) d with tensor parallelism. XLA attention
+  (``model.attention_impl``) adds its f32 scores and probabilities, m (H / tensor) T^2 x 8
+  bytes per layer: one layer's in the working set, and every layer's without remat; cuDNN's
+  flash attention keeps none.
   """
   n = microbatch * seq_len
   d, c = model.d_model, model.compute_bytes
   wide = 2 * model.d_ff if model.gated_mlp else model.d_ff
   layers = model.n_layers if layers is None else layers
+  xla = model.attention_impl == "xla"
+  scores = microbatch * model.n_heads / tensor * seq_len * seq_len * 8 if xla else 0.0
   if model.remat:
-    saved = d * c
+    saved = n * d * c
     if model.remat_policy != "full":
-      saved += (5 * d + wide) * c / tensor
+      saved += n * (4 * d + wide + (0 if xla else d)) * c / tensor
     if model.remat_policy == "save_gemm_io":
-      saved += (3 * d + model.d_ff) * (1 if _level(level).fp8_gemms else c) / tensor
-    working = (4 * d + (12 * d + 3 * wide) / tensor) * c
+      saved += n * (3 * d + model.d_ff) * (1 if _level(level).fp8_gemms else c) / tensor
+    working = n * (4 * d + (12 * d + 3 * wide) / tensor) * c + scores
   else:
-    saved, working = (10 + 24 / tensor) * d, 0
+    saved, working = n * (10 + 24 / tensor) * d + scores, 0.0
   head = n * model.vocab_size * 8 if logits else 0
-  return in_flight * layers * n * saved + n * working + head
+  return in_flight * layers * saved + working + head
 
 
 class DeviceMemory(NamedTuple):
@@ -492,26 +513,42 @@ def fp8_meta_bytes(level: str, gemms: int) -> int:
 def device_memory(model: ModelShape, level: str, stage: int, seq_len: int, microbatch: int,
                   microbatches: int = 1, layout: Layout = Layout(),
                   a: Assumptions = Assumptions(), emulated: bool = False,
-                  local_grads: bool = False) -> DeviceMemory:
+                  local_grads: bool = False, fused_update: bool | None = None,
+                  whole_params: bool = False) -> DeviceMemory:
   """Bytes on the fullest GPU of `layout` training `model` at `level` and ZeRO `stage`
   (sharded over ``layout.data``), `microbatches` microbatches of `microbatch` sequences x
-  `seq_len` tokens per step.
+  `seq_len` tokens per step. The one memory model of a train step: ``fp8jax simulate``,
+  :mod:`fp8jax.parallel.sizing` and ``fp8jax.train.memory`` (the "auto" remat policy) read it.
 
   Per GPU: the layers of one pipeline stage (``ceil(n_layers / pipeline)``; the first
   stage also holds the embedding and the most in-flight microbatches, the last the LM head
   and the logits; the larger of the two is returned), their kernels split over ``tensor``.
   State: master weights (/N at stage 3), Adam moments (/N from stage 1), FP8 meta. Backward:
-  f32 gradients (/N at stage 3: each layer's are reduce-scattered as its backward ends), an
-  f32 accumulator with several microbatches (/N from stage 2), the master decoded to the
-  compute dtype (O2/O3; /N at stage 3), FP8 weight casts (below stage 3), at stage 3
-  `a.layers_in_flight` layers' gathered weights (:func:`wire_bytes`) and the f32 gradient of
+  f32 gradients (/N at stage 3: each layer's are reduce-scattered as its backward makes
+  them), an f32 accumulator with several microbatches (/N from stage 2), the master decoded
+  to the compute dtype (O2/O3; /N at stage 3), FP8 weight casts (below stage 3), at stage 3
+  `a.layers_in_flight` layers' gathered kernels (:func:`wire_bytes`) and the f32 gradient of
   the largest kernel (:attr:`ModelShape.largest_kernel`) before its reduce-scatter, that
   kernel widened where FP8 is `emulated`, and :func:`activation_bytes`. Update: the f32
   gradients (/N from stage 2), the update's temporaries (/N from stage 1) and, where an
-  all-reduce reduces them (stages 0/1 over several GPUs), its output. One GPU at O2, stage 0,
-  takes the fused update: BF16 kernel gradients, no update temporaries. `local_grads`: the
-  balanced (per-group) step, which keeps whole f32 gradients and, at stage 3, gathers the
-  whole stage's weights first.
+  all-reduce reduces them (stages 0/1 over several GPUs), its output.
+
+  Args:
+    local_grads: the per-group step (``fp8jax.train.step.GroupLoop``: a balanced split or
+      FP8 gradient communication). Its loop always keeps an f32 accumulator; below stage 3
+      it sums whole gradients and reduces them once after the loop; at stage 3 it takes the
+      parameters as shards, gathers each layer's kernels in the compute dtype where the
+      layer runs and reduce-scatters their gradients there (the accumulator holds shards;
+      one layer's f32 kernel gradients are counted in flight); it decodes the FP16 master
+      to f32 (4 bytes per parameter; /N at stage 3). Leaves ZeRO cannot split stay whole
+      (norm scales of widths not divisible by N; not counted).
+    whole_params: with `local_grads` at stage 3, the groups run different microbatch counts
+      (a balanced split): the parameters enter the loop whole (decoded to f32, gathered
+      before it) and the whole f32 gradients are reduced after it, as below stage 3.
+    fused_update: whether the step takes the fused O2 update (no update temporaries; with
+      one microbatch of the uniform step it reads the BF16 kernel gradients as they come;
+      ``fp8jax.train.build.fused_update_fn``); None: where it does by default, one GPU at a
+      level with a fused update, stage 0.
   """
   level = _check_level(level)
   stage = _check_stage(level, stage)
@@ -521,7 +558,12 @@ def device_memory(model: ModelShape, level: str, stage: int, seq_len: int, micro
   n, t, pp = layout.data, layout.tensor, layout.pipeline
   layers = -(-model.n_layers // pp)
   layer_kernels, largest = model.layer_kernels / t, model.largest_kernel / t
-  shard3 = n if stage == 3 else 1
+  whole = local_grads and whole_params and stage == 3
+  shard3 = n if stage == 3 and not whole else 1
+  if fused_update is None:  # as fp8jax.train.build.fused_update_fn takes it on GPUs
+    fused_update = lv.fused_update and layout.gpus == 1 and stage == 0
+  # the fused update reads one microbatch's BF16 kernel gradients as they come (uniform step)
+  narrow = fused_update and microbatches == 1 and not local_grads
   out = None
   # in flight on the first stage: 1F1B at most one per stage, GPipe every microbatch
   in_flight = 1 if pp == 1 else microbatches if layout.schedule == "gpipe" else min(
@@ -531,34 +573,34 @@ def device_memory(model: ModelShape, level: str, stage: int, seq_len: int, micro
     others = layers * model.layer_others + (model.embedding if first else 0)
     params = kernels + others
     gemms = layers * (5 if model.gated_mlp else 4) + (1 if last else 0)
-    state = {"master weights": per["master"] * params / shard3,
+    state = {"master weights": per["master"] * params / (n if stage == 3 else 1),
              "Adam moments": (per["m"] + per["v"]) * params / (n if stage >= 1 else 1),
              "FP8 meta": float(fp8_meta_bytes(level, gemms))}
-    whole_grads = local_grads or stage < 3
-    # one GPU at O2 takes the fused update, which reads the kernels' BF16 gradients as
-    # they come and keeps no temporaries (fp8jax.train.build.fused_update_fn)
-    fused = lv.fused_update and n == 1 and stage == 0
-    grads = c * kernels + per["grads"] * others if fused else per["grads"] * params
-    backward = {"gradients": grads / (1 if whole_grads else n)}
-    if microbatches > 1:
+    grads = c * kernels + per["grads"] * others if narrow else per["grads"] * params
+    backward = {"gradients": grads / shard3}
+    if microbatches > 1 or local_grads:
       backward["accumulator"] = per["grads"] * params / (
-          n if stage >= 2 and not local_grads else 1)
-    if lv.scaled_master and not (stage == 3 and local_grads):
-      backward["decoded weights"] = a.fp8_working_copy_bytes * params / shard3
+          shard3 if local_grads else n if stage >= 2 else 1)
+    if whole:  # decoded (f32) and gathered before the loop
+      backward["gathered model"] = 4.0 * params
+    elif lv.scaled_master:
+      decoded = per["grads"] if local_grads else a.fp8_working_copy_bytes  # f32 / BF16
+      backward["decoded weights"] = decoded * params / shard3
     if lv.fp8_gemms and stage < 3:
       backward["FP8 weight casts"] = 1.0 * kernels
-    if stage == 3 and local_grads:
-      backward["gathered weights"] = gather_bytes(level, kernels, others, c)
-    elif stage == 3:
-      backward["gathered weights"] = a.layers_in_flight * layer_kernels * wire_bytes(level, c)
-      backward["weight gradient in flight"] = per["grads"] * largest
+    if stage == 3 and not whole:
+      wire = c if local_grads else wire_bytes(level, c)
+      backward["gathered weights"] = a.layers_in_flight * layer_kernels * wire
+      backward["weight gradient in flight"] = per["grads"] * (
+          layer_kernels if local_grads else largest)
     if emulated and lv.fp8_gemms:
       backward["widened FP8 weight"] = a.emulated_weight_bytes * largest
     backward["activations"] = activation_bytes(
         model, seq_len, microbatch, level, t, layers, in_flight if first else 1, last)
     temp = a.update_temp_bytes if lv.scaled_master else a.update_temp_bytes_f32
     update = {"gradients": grads / (n if stage >= 2 else 1),
-              "update temporaries": 0.0 if fused else temp * params / (n if stage >= 1 else 1)}
+              "update temporaries": 0.0 if fused_update else temp * params / (
+                  n if stage >= 1 else 1)}
     if stage <= 1 and n > 1:
       update["all-reduce output"] = a.all_reduce_copy_bytes * params
     mem = DeviceMemory(state, backward, update)
@@ -576,12 +618,13 @@ def max_microbatch(kind: str, model: ModelShape, seq_len: int, level: str, stage
                    gpus: int, a: Assumptions = Assumptions(), local_grads: bool = False,
                    limit: int = 2**20, microbatches: int = 1) -> int:
   """Largest power of two of sequences (<= `limit`) whose microbatch fits one GPU of `kind`
-  (data parallel over `gpus`, :func:`device_memory`); 0 when not even one sequence fits."""
+  (data parallel over `gpus`, :func:`device_memory`; `local_grads`: the balanced per-group
+  step); 0 when not even one sequence fits."""
   level = _check_level(level)
   emulated = _level(level).fp8_gemms and not fp8_native(kind)
   fits = lambda m: device_memory(model, level, stage, seq_len, m, microbatches,
-                                 Layout(data=gpus), a, emulated, local_grads
-                                 ).peak <= usable_bytes(kind, a)
+                                 Layout(data=gpus), a, emulated, local_grads,
+                                 whole_params=local_grads).peak <= usable_bytes(kind, a)
   best, m = 0, 1
   while m <= limit and fits(m):
     best, m = m, 2 * m
@@ -609,25 +652,28 @@ def comm_bytes(level: str, stage: int, kernels: float, others: float, loops: int
                compute_bytes: int = 2) -> dict[str, float]:
   """Ring payloads per step (bytes, whole buffers; an all-reduce counts 2x) by collective.
 
-  `loops`: accumulation iterations of the uniform step. Gradients travel as
-  :func:`grad_comm_bytes`. Stage 0/1: one gradient all-reduce; stage 1/2 add an all-gather
-  of the updated weights (stored dtype). Stages 2/3 of the uniform step reduce-scatter every
-  microbatch's gradients and stage 3 gathers the weights (:func:`gather_bytes`) twice per
-  microbatch (forward, and backward or its recomputation: fp8jax.fsdp); the balanced step
-  runs no collective inside its loop, so it reduce-scatters once and gathers once per step.
+  `loops`: accumulation iterations of the step (of the busiest GPU with `balanced`, the
+  per-group step). Gradients travel as :func:`grad_comm_bytes`. Stage 0/1: one gradient
+  all-reduce; stage 1/2 add an all-gather of the updated weights (stored dtype). Stage 2:
+  the uniform step reduce-scatters every microbatch's gradients, the balanced one once after
+  its loop. Stage 3, both steps: per microbatch, each layer's weights gathered twice (forward,
+  and backward or its recomputation: fp8jax.fsdp) and its gradients reduce-scattered; the
+  uniform step gathers as :func:`gather_bytes`, the per-group step its kernels in the compute
+  dtype (fp8jax.fsdp.gather_tree inside ``shard_map``); with `balanced` (per-group counts)
+  the whole model is gathered once in f32 before the loop and its gradients all-reduced after.
   """
   params = kernels + others
   grads = params * grad_comm_bytes(level, grad_comm)
-  n = 1 if balanced else loops
-  if stage <= 1:
+  if stage <= 1 or (stage == 3 and balanced):
     out = {"grad all-reduce": 2 * grads}
   else:
-    out = {"grad reduce-scatter": n * grads}
+    out = {"grad reduce-scatter": (1 if balanced and stage == 2 else loops) * grads}
   if stage in (1, 2):
     out["weight all-gather"] = params * master_bytes(level)
-  if stage == 3:
-    out["weight all-gather"] = (1 if balanced else 2 * loops) * gather_bytes(
-        level, kernels, others, compute_bytes)
+  if stage == 3 and balanced:
+    out["weight all-gather"] = 4.0 * params
+  elif stage == 3:
+    out["weight all-gather"] = 2 * loops * gather_bytes(level, kernels, others, compute_bytes)
   return out
 
 
@@ -693,7 +739,8 @@ def _evaluate(ctx: dict, m: int, balanced: bool) -> Split:
   model, a, cluster, kinds = ctx["model"], ctx["a"], ctx["cluster"], ctx["kind_list"]
   loops = 2 if ctx["batch"] // m > cluster.gpus else 1  # (an accumulator from 2 on)
   usage = {k: device_memory(model, ctx["level"], ctx["stage"], ctx["seq_len"], m, loops,
-                            Layout(data=cluster.gpus), a, k in ctx["emulated"], balanced)
+                            Layout(data=cluster.gpus), a, k in ctx["emulated"], balanced,
+                            whole_params=balanced)
            for k in ctx["kinds"]}
   memory = {k: u.peak for k, u in usage.items()}
   too_big = [k for k in ctx["kinds"] if memory[k] > usable_bytes(k, a)]

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from fp8jax import linen, parallel, xla_env
 from fp8jax.dot import native_fp8_reason
 from fp8jax.parallel.tensor import GPT_RULES
-from fp8jax.hardware import DeviceReport, gpu_spec
+from fp8jax.hardware import DeviceReport, device_reason, gpu_spec
 from fp8jax.models.layers import AUTO, cudnn_attention_reason
 from fp8jax.parallel.capability import gather_reports
 from fp8jax.parallel.layout import group_count
@@ -97,7 +97,8 @@ def _policy_candidates(config) -> tuple[str, ...]:
 
 def _choose_policy(config, attention_impl: str, reports) -> tuple[str, str]:
   """(remat policy, why) for a GPU run: the least recomputing policy whose estimated step
-  (``fp8jax.train.memory.step_bytes``) fits the smallest device's usable memory."""
+  (``fp8jax.train.memory.step_bytes``; FP8 emulated where a device lacks FP8 GEMMs) fits the
+  smallest device's usable memory."""
   if not config.model.remat:
     return "full", "remat is off: no policy applies"
   usable = [_usable_bytes(r) for r in reports]
@@ -105,9 +106,10 @@ def _choose_policy(config, attention_impl: str, reports) -> tuple[str, str]:
     return "full", "device memory unknown"
   usable_min = min(usable)
   devices = _run_device_count(config, reports)
+  emulated = config.level().fp8_gemms and any(device_reason(r) for r in reports)
   estimate = 0.0
   for policy in _policy_candidates(config):
-    estimate = step_bytes(config, policy, attention_impl, devices)
+    estimate = step_bytes(config, policy, attention_impl, devices, emulated)
     if estimate <= usable_min:
       return policy, (f"estimated {estimate / GiB:.1f} GiB per device of "
                       f"{usable_min / GiB:.1f} GiB usable")

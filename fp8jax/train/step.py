@@ -84,7 +84,8 @@ class GroupLoop:
       grad_comm "fp8").
     growth_interval: clean steps before "auto" doubles a pre-scale.
     weight_gather: ZeRO-3's ``fp8jax.fsdp.WeightGather`` (``ZeroPlan.weight_gather``), or
-      None. The parameters then enter the loop as their shards and the model gathers each one
+      None. Only when every group runs the same number of microbatches (its collectives run
+      inside the loop). The parameters then enter the loop as their shards and the model gathers each one
       where it uses it with explicit collectives (per layer, inside the layer loop); each
       gradient is reduce-scattered where it is made (FP8 with current scaling under
       grad_comm "fp8", else f32), so the loop accumulates only shards. Parameters the model
@@ -581,11 +582,14 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
     place = lambda batch: (layout.put_global(batch, sharding),)
     batch_shardings = (sharding,)
   elif per_group:
-    # ZeRO-3: a model that gathers its parameters at use does it inside the loop; another
-    # gets them whole (XLA gathers them before the loop)
+    # ZeRO-3: a model that gathers its parameters at use does it inside the loop when every
+    # group runs the same count (the loop's collectives then line up across groups); with
+    # per-group counts, or a model that does not, the parameters come whole (XLA gathers
+    # them before the loop)
+    at_use = gathers_at_use and counts is None
     loop = GroupLoop(mesh, grad_comm=grad_comm, comm_scaling=comm_scaling,
                      growth_interval=growth_interval,
-                     weight_gather=plan.weight_gather() if gathers_at_use else None,
+                     weight_gather=plan.weight_gather() if at_use else None,
                      layer_stacks=tuple(layer_stacks))
     n = loop.groups
     if counts is not None:

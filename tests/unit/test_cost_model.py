@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 
@@ -7,6 +8,7 @@ from fp8jax import cli, hardware
 from fp8jax.models.gpt import ModelConfig, flops_per_token, matmul_param_count
 from fp8jax.parallel import cost_model as cm
 from fp8jax.parallel.balance import KindProfile
+from fp8jax.train import memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG_7B = os.path.join(ROOT, "configs", "gpt_7b.yaml")
@@ -15,8 +17,8 @@ BIG_CONFIG = ModelConfig(vocab_size=256, d_model=4096, n_layers=32, n_heads=32, 
                          max_seq_len=2048, mlp="swiglu", remat=True)
 SMALL_CONFIG = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=2, d_ff=256,
                            max_seq_len=8, mlp="gelu", remat=False)
-BIG, SMALL = cli.model_shape(BIG_CONFIG), cli.model_shape(SMALL_CONFIG)
-MID = cli.model_shape(BIG_CONFIG.replace(n_layers=8))  # the 7B layer shape, 1.6B parameters
+BIG, SMALL = memory.model_shape(BIG_CONFIG), memory.model_shape(SMALL_CONFIG)
+MID = memory.model_shape(BIG_CONFIG.replace(n_layers=8))  # the 7B layer shape, 1.6B parameters
 MIXED = "8xA100-80GB+8xH100-SXM"
 
 
@@ -72,11 +74,11 @@ def test_peak_flops_read_device_kinds():
 
 def test_model_shape_matches_the_model_config_arithmetic():
   for cfg in (BIG_CONFIG, SMALL_CONFIG, SMALL_CONFIG.replace(tie_embeddings=True)):
-    shape = cli.model_shape(cfg)
+    shape = memory.model_shape(cfg)
     assert shape.matmul_params == matmul_param_count(cfg)
     for seq_len in (1, 8, 2048):
       assert shape.flops_per_token(seq_len) == flops_per_token(cfg, seq_len)
-  tied = cli.model_shape(SMALL_CONFIG.replace(tie_embeddings=True))
+  tied = memory.model_shape(SMALL_CONFIG.replace(tie_embeddings=True))
   assert tied.kernel_params == SMALL.kernel_params - 64 * 256  # the LM head is the embedding
   assert tied.other_params == SMALL.other_params
 
@@ -91,7 +93,7 @@ def test_memory_model_by_hand():
   a = cm.Assumptions()
   act = 2 * 34 * 16 * 64 + 16 * 256 * 8  # no remat: 34 d B/token/layer + f32 logits, grad
   assert cm.activation_bytes(SMALL, 8, 2) == act
-  remat = cli.model_shape(SMALL_CONFIG.replace(remat=True))
+  remat = memory.model_shape(SMALL_CONFIG.replace(remat=True))
   assert cm.activation_bytes(remat, 8, 2) == 2 * 16 * 64 * 2 + 16 * (16 * 64 + 3 * 256) * 2 + \
       16 * 256 * 8
   meta = 9 * 3 * 17 * 4  # 2 layers x 4 GEMMs + the LM head; 3 roles x (scale + 16 amaxes) f32
@@ -129,10 +131,30 @@ def test_memory_model_by_hand():
   assert mem("O0", 3).backward["gathered weights"] == 2 * 2 * SMALL.layer_kernels
   assert cm.device_memory(SMALL, "O2", 2, 8, 2, 3, cm.Layout(data=n), a).backward[
       "accumulator"] == 4 * p / n
-  # the balanced (per-group) step keeps whole f32 gradients and gathers the whole model
+  # the per-group (balanced) step always keeps an f32 accumulator and decodes the master to
+  # f32; at stage 3 it takes shards and gathers 2 layers' kernels in BF16, one layer's f32
+  # gradients in flight (not the gathered model); below 3 its gradients stay whole
   local = mem("O2", 3, local_grads=True)
-  assert local.backward["gradients"] == 4 * p
-  assert local.backward["gathered weights"] == kernels + 2 * others  # E4M3 kernels, BF16 rest
+  assert local.backward == {"gradients": 4 * p / n, "accumulator": 4 * p / n,
+                            "decoded weights": 4 * p / n,
+                            "gathered weights": 2 * 2 * SMALL.layer_kernels,
+                            "weight gradient in flight": 4 * SMALL.layer_kernels,
+                            "activations": act}
+  assert local.state == z3.state and local.update == z3.update
+  local1 = mem("O2", 1, local_grads=True)
+  assert local1.backward == {"gradients": 4 * p, "accumulator": 4 * p, "decoded weights": 4 * p,
+                             "FP8 weight casts": kernels, "activations": act}
+  # one GPU at O2, stage 0: the fused update (one microbatch: BF16 kernel gradients, no
+  # update temporaries); with it off, f32 gradients and the composed update's temporaries
+  one = cm.device_memory(SMALL, "O2", 0, 8, 2, a=a)
+  assert one.backward["gradients"] == 2 * kernels + 4 * others
+  assert one.update == {"gradients": 2 * kernels + 4 * others, "update temporaries": 0.0}
+  composed = cm.device_memory(SMALL, "O2", 0, 8, 2, a=a, fused_update=False)
+  assert composed.backward["gradients"] == 4 * p
+  assert composed.update == {"gradients": 4 * p, "update temporaries": 3 * p}
+  # XLA attention: one layer's f32 scores and probabilities (2 sequences x 2 heads x T^2)
+  xla = dataclasses.replace(SMALL, attention_impl="xla")
+  assert cm.activation_bytes(xla, 8, 2) - act == 2 * 2 * 8 * 8 * 8 * 2  # every layer: no remat
   # an emulating kind (A100) widens the largest FP8 kernel to BF16
   assert mem("O2", 3, emulated=True).backward["widened FP8 weight"] == 2 * 64 * 256
   assert "widened FP8 weight" not in mem("O0", 3, emulated=True).backward
@@ -141,7 +163,7 @@ def test_memory_model_by_hand():
 def test_pipeline_and_tensor_memory_by_hand():
   """Each stage holds its layers' share, tensor ranks their kernels' share; 1F1B's first stage
   keeps `pipeline` microbatches' saved layer inputs, GPipe's all k."""
-  m = cli.model_shape(BIG_CONFIG)
+  m = memory.model_shape(BIG_CONFIG)
   d, c, n_tok = 4096, 2, 2 * 2048
   a = cm.Assumptions()
   whole = cm.device_memory(m, "O2", 1, 2048, 2, 8, cm.Layout(data=2), a)
@@ -206,13 +228,17 @@ def test_comm_bytes_gradients_are_f32_unless_fp8_and_stage3_gathers_e4m3():
   assert cm.comm_bytes("O0", 0, kernels, others, 1, False) == {"grad all-reduce": 2 * 4 * p}
   with pytest.raises(ValueError, match="grad_comm='bf16' is not allowed"):
     cm.grad_comm_bytes("O2", "bf16")
-  # uniform ZeRO-3 gathers forward and backward per microbatch; balanced once per step
+  # ZeRO-3, uniform step: per microbatch each layer's weights gathered forward and backward
+  # (E4M3 kernels) and its gradients reduce-scattered. Balanced (per-group counts): the whole
+  # model gathered once in f32 before the loop, its f32 gradients all-reduced after it.
   uni = cm.comm_bytes("O3", 3, kernels, others, 4, False)
   bal = cm.comm_bytes("O3", 3, kernels, others, 4, True)
-  assert uni["weight all-gather"] == 8 * bal["weight all-gather"]
-  assert bal["weight all-gather"] == kernels + 2 * others  # E4M3 kernels, BF16 rest
-  assert cm.comm_bytes("O0", 3, kernels, others, 4, True)["weight all-gather"] == 2 * p
-  assert uni["grad reduce-scatter"] == 4 * bal["grad reduce-scatter"] == 4 * 4 * p
+  assert uni["weight all-gather"] == 8 * (kernels + 2 * others)
+  assert uni["grad reduce-scatter"] == 4 * 4 * p
+  assert bal == {"grad all-reduce": 2 * 4 * p, "weight all-gather": 4 * p}
+  # stage 2: the uniform step reduce-scatters per microbatch, the per-group one once
+  assert cm.comm_bytes("O2", 2, kernels, others, 4, False)["grad reduce-scatter"] == \
+      4 * cm.comm_bytes("O2", 2, kernels, others, 4, True)["grad reduce-scatter"] == 4 * 4 * p
 
 
 def test_homogeneous_cluster_balanced_equals_uniform():
@@ -222,12 +248,25 @@ def test_homogeneous_cluster_balanced_equals_uniform():
     assert p.uniform.compute_s == p.balanced.compute_s
     if stage <= 1:
       assert p.speedup == pytest.approx(1.0)
-    else:  # only the collectives differ: the balanced loop has none inside
+    elif stage == 2:  # only the collectives differ: the balanced loop has none inside
       assert p.balanced.comm_s < p.uniform.comm_s and p.speedup > 1.0
+    else:  # the balanced step gathers the whole model once (f32) instead of each layer
+      # per microbatch (E4M3 kernels): less traffic here, but the whole model in memory
+      assert p.balanced.comm_s < p.uniform.comm_s
+      assert p.balanced.memory["H100-SXM"] > p.uniform.memory["H100-SXM"]
 
 
 def test_mixed_cluster_balanced_is_faster_and_a100_runs_fp8_emulated():
-  p = cm.predict(cm.parse_cluster(MIXED), BIG, 2048, 256, "O2", 1)
+  # 7B at ZeRO-1 leaves the per-group step no room on 80 GB (f32 decoded weights, gradients
+  # and accumulator: 12 bytes per parameter); nor at stage 3, where its groups' different
+  # counts make it take the whole model, gathered in f32, before its loop; the 7B layer
+  # shape fits
+  big = cm.predict(cm.parse_cluster(MIXED), BIG, 2048, 256, "O2", 1)
+  assert big.uniform.feasible and not big.balanced.feasible
+  assert "does not fit" in big.balanced.reason
+  big3 = cm.predict(cm.parse_cluster(MIXED), BIG, 2048, 256, "O2", 3)
+  assert big3.uniform.feasible and not big3.balanced.feasible
+  p = cm.predict(cm.parse_cluster(MIXED), MID, 2048, 256, "O2", 1)
   assert p.uniform.feasible and p.balanced.feasible
   assert p.speedup > 1.5
   assert p.balanced.step_s < p.uniform.step_s
@@ -351,6 +390,11 @@ def test_bad_arguments_name_the_value():
     cm.predict(c, BIG, 2048, 64, "O2", 1, microbatch=3)
   with pytest.raises(ValueError, match="overlap=1.5"):
     cm.predict(c, BIG, 2048, 64, "O2", 1, assumptions=cm.Assumptions(overlap=1.5))
+  with pytest.raises(ValueError, match=r"attention_impl='flash' is not allowed; use one of "
+                     r"\['cudnn', 'xla'\]"):
+    dataclasses.replace(BIG, attention_impl="flash")
+  with pytest.raises(ValueError, match="n_heads=0 is not allowed with attention_impl='xla'"):
+    dataclasses.replace(BIG, attention_impl="xla", n_heads=0)
 
 
 def test_cli_simulate_prints_the_table(capsys, tmp_path):
@@ -363,5 +407,7 @@ def test_cli_simulate_prints_the_table(capsys, tmp_path):
   assert len(rows) == 4  # 2 levels x (uniform, balanced)
   assert "predictions, not measurements" in out and "BF16 MFU 0.547" in out
   assert "FP8 emulated on A100-80GB" in out and "used for that level" in out
-  assert all("infeasible" not in r for r in rows)
-  assert any("| O2 | 3 | balanced |" in r and r.rstrip(" |").endswith("x") for r in rows)
+  # at ZeRO-3 the balanced step takes the whole 7B model in f32 (its groups' loops differ in
+  # length, so no per-layer collective can run inside them): it does not fit 80 GB
+  assert all("infeasible" not in r for r in rows if "| uniform |" in r)
+  assert all("infeasible: microbatch 1 does not fit" in r for r in rows if "| balanced |" in r)

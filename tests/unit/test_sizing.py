@@ -6,10 +6,11 @@ import pytest
 from fp8jax import cli
 from fp8jax.parallel import cost_model as cm
 from fp8jax.parallel import sizing
+from fp8jax.train import memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SEQ, BATCH = 4096, 1024
-M7 = cli.model_shape(cli.table_model("7B", SEQ))
+M7 = memory.model_shape(cli.table_model("7B", SEQ))
 H100 = cm.GPU_SPECS["H100-SXM"]
 
 
@@ -25,9 +26,9 @@ def _microbatch_seconds(m: int, tensor: int = 1, pipe: int = 1) -> float:
 def test_table_models_are_the_named_llama_shapes():
   assert M7.n_layers == 32 and M7.d_model == 4096 and M7.d_ff == 11008 and M7.gated_mlp
   assert M7.params == pytest.approx(6.74e9, rel=0.01)  # LLaMA 2 7B
-  m70 = cli.model_shape(cli.table_model("70B", SEQ))
+  m70 = memory.model_shape(cli.table_model("70B", SEQ))
   assert m70.params == pytest.approx(68.98e9, rel=0.01)  # LLaMA 2 70B (GQA, 8 kv heads)
-  m175 = cli.model_shape(cli.table_model("175B", SEQ))
+  m175 = memory.model_shape(cli.table_model("175B", SEQ))
   assert m175.params == pytest.approx(174.6e9, rel=0.01)  # GPT-3's 96 x 12288
   with pytest.raises(cli.UsageError, match="'13B' is not one of"):
     cli.table_model("13B", SEQ)
@@ -88,7 +89,7 @@ def test_best_layout_is_the_fastest_that_fits_else_the_smallest():
   assert any(not s.fits for s in steps)  # the search does meet settings that do not fit
   assert {s.zero_stage for s in steps} == {1, 3}
   assert {(s.layout.tensor, s.layout.pipeline) for s in steps} >= {(1, 1), (2, 4), (8, 8)}
-  m70 = cli.model_shape(cli.table_model("70B", SEQ))
+  m70 = memory.model_shape(cli.table_model("70B", SEQ))
   none = sizing.best_layout(m70, "H100-SXM", 8, "O3", SEQ, BATCH)
   assert not none.fits
   assert none.memory.peak == min(s.memory.peak for s in sizing.candidates(
