@@ -27,6 +27,10 @@ Rule per array: shard the largest dimension divisible by the product of the ZeRO
 (the first such on ties); replicate arrays where none divides, scalars, and the FP8 meta.
 With a "tensor" axis, arrays a tensor-parallel rule names (:mod:`fp8jax.parallel.tensor`)
 also split one dimension over it, in every stage; the ZeRO rule then picks another dimension.
+With a "pipe" axis (pipeline stages), every array of the stacked layers (parameters, their
+optimizer state and master weights, and the FP8 state) splits its leading layer axis over it
+(:func:`fp8jax.parallel.pipeline.pipe_dim`: stage s holds layers [s L/P, (s+1) L/P)); the
+ZeRO and tensor rules use the other dimensions.
 The batch's first dimension is sharded over ("data", "fsdp")
 (:func:`fp8jax.parallel.layout.batch_sharding`).
 
@@ -49,7 +53,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from fp8jax.fsdp import WeightGather
 from fp8jax.parallel.combine import combine_options
 from fp8jax.parallel.layout import batch_sharding, put_global
-from fp8jax.parallel.mesh import BATCH_AXES, TENSOR
+from fp8jax.parallel.mesh import BATCH_AXES, PIPE, TENSOR
+from fp8jax.parallel.pipeline import pipe_dim
 from fp8jax.parallel.tensor import GPT_RULES, tensor_dim
 
 STAGES = (0, 1, 2, 3)
@@ -73,15 +78,17 @@ def _check_axes(mesh: Mesh, axes: Sequence[str]) -> tuple[str, ...]:
 
 
 def shard_spec(shape: Sequence[int], mesh: Mesh, axes: Sequence[str] = ZERO_AXES,
-               tensor: int | None = None) -> P:
+               tensor: int | None = None, pipe: int | None = None) -> P:
   """PartitionSpec sharding the largest dimension of `shape` divisible by the ZeRO axes' size
-  over `axes` (not dimension `tensor`, which goes to the "tensor" axis when given); P()
-  (replicated) when nothing is split."""
+  over `axes` (not dimension `tensor`, which goes to the "tensor" axis when given, nor
+  dimension `pipe`, which goes to the "pipe" axis); P() (replicated) when nothing is split."""
   n = math.prod(mesh.shape[a] for a in axes)
   spec: list[Any] = [None] * len(shape)
   if tensor is not None:
     spec[tensor] = TENSOR
-  dims = [i for i, d in enumerate(shape) if d % n == 0 and d > 0 and i != tensor]
+  if pipe is not None:
+    spec[pipe] = PIPE
+  dims = [i for i, d in enumerate(shape) if d % n == 0 and d > 0 and i not in (tensor, pipe)]
   if n > 1 and dims:
     spec[max(dims, key=lambda i: (shape[i], -i))] = tuple(axes)
   return P(*spec) if any(a is not None for a in spec) else P()
@@ -89,12 +96,12 @@ def shard_spec(shape: Sequence[int], mesh: Mesh, axes: Sequence[str] = ZERO_AXES
 
 def leaf_spec(path, shape: Sequence[int], mesh: Mesh, axes: Sequence[str], zero: bool,
               rules: Sequence = GPT_RULES) -> P:
-  """The spec of the state array at `path`: its tensor-parallel dimension (if a rule names
-  it) over "tensor", and, when `zero`, the ZeRO rule of :func:`shard_spec` over `axes`."""
-  tensor = tensor_dim(jax.tree_util.keystr(tuple(path)), shape, mesh, rules)
-  if zero:
-    return shard_spec(shape, mesh, axes, tensor)
-  return shard_spec(shape, mesh, (), tensor)
+  """The spec of the state array at `path`: its layer axis over "pipe" (stacked layers, with
+  pipeline stages), its tensor-parallel dimension (if a rule names it) over "tensor", and,
+  when `zero`, the ZeRO rule of :func:`shard_spec` over `axes`."""
+  key = jax.tree_util.keystr(tuple(path))
+  tensor = tensor_dim(key, shape, mesh, rules)
+  return shard_spec(shape, mesh, axes if zero else (), tensor, pipe_dim(key, shape, mesh))
 
 
 def sharded(tree, mesh: Mesh, axes: Sequence[str] = ZERO_AXES, memory_kind: str | None = None,
@@ -108,7 +115,7 @@ def sharded(tree, mesh: Mesh, axes: Sequence[str] = ZERO_AXES, memory_kind: str 
 
 def replicated(tree, mesh: Mesh, rules: Sequence = GPT_RULES):
   """A NamedSharding per leaf of `tree`, replicated over the ZeRO axes (tensor-parallel
-  dimensions still split over "tensor")."""
+  dimensions still split over "tensor", stacked layers over "pipe")."""
   return jax.tree_util.tree_map_with_path(
       lambda path, x: NamedSharding(mesh, leaf_spec(path, np.shape(x), mesh, (), False, rules)),
       tree)
@@ -130,7 +137,10 @@ def state_shardings(state, mesh: Mesh, stage: int, *,
             else replicated(state.params, mesh, rules))
   opt = (sharded(state.opt_state, mesh, axes, HOST_MEMORY if offload else None, rules)
          if stage >= 1 else replicated(state.opt_state, mesh, rules))
-  fp8 = jax.tree.map(lambda _: NamedSharding(mesh, P()), state.fp8)  # scalars, histories
+  fp8 = jax.tree_util.tree_map_with_path(  # scalars, histories: whole (by layer over "pipe")
+      lambda path, x: NamedSharding(mesh, shard_spec(
+          np.shape(x), mesh, (), None, pipe_dim(jax.tree_util.keystr(path), np.shape(x), mesh))),
+      state.fp8)
   comm = jax.tree.map(lambda _: NamedSharding(mesh, P()), state.comm)  # grad-comm scaling
   return state._replace(step=NamedSharding(mesh, P()), params=params, fp8=fp8, opt_state=opt,
                         comm=comm)
@@ -165,8 +175,9 @@ class LeafSpecs:
 
   def __call__(self, path: str, shape) -> tuple[P, P]:
     tensor = tensor_dim(path, shape, self.mesh, self.rules)
-    return (shard_spec(shape, self.mesh, self.axes, tensor),
-            shard_spec(shape, self.mesh, (), tensor))
+    pipe = pipe_dim(path, shape, self.mesh)
+    return (shard_spec(shape, self.mesh, self.axes, tensor, pipe),
+            shard_spec(shape, self.mesh, (), tensor, pipe))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,12 +8,14 @@ One step ``(state, batch[, counts]) -> (state, metrics)`` is put together from:
   loop, explicit collectives do it inside the group loop's ``shard_map``
   (``GroupLoop.weight_gather``); none below stage 3;
 * the microbatch loop: :func:`scan_microbatches` (every device runs the same static number of
-  microbatches of the global batch, XLA places the collectives) or :func:`group_microbatches`
+  microbatches of the global batch, XLA places the collectives), :func:`group_microbatches`
   (inside ``jax.shard_map``: each data-parallel group loops over its own number of
-  microbatches with no collective in the loop, then one reduction);
-* gradient reduction: ZeRO's layout constraint (``reduce_gradients``) in the scanned loop;
-  in the group loop each ZeRO-3 gradient is reduce-scattered where the backward makes it
-  (f32, or FP8 with current scaling), the rest by
+  microbatches with no collective in the loop, then one reduction) or
+  :func:`pipeline_microbatches` (pipeline stages over the mesh's "pipe" axis: the GPipe or
+  1F1B schedule of :mod:`fp8jax.parallel.pipeline`);
+* gradient reduction: ZeRO's layout constraint (``reduce_gradients``) in the scanned and
+  pipeline loops; in the group loop each ZeRO-3 gradient is reduce-scattered where the
+  backward makes it (f32, or FP8 with current scaling), the rest by
   :func:`fp8jax.parallel.grad_comm.reduce_over_groups` (f32 or FP8 with its scaling state)
   after the loop;
 * the update: :func:`apply_gradients` (the optax transform plus FP16 master weights, or the
@@ -40,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fp8jax import fsdp
 from fp8jax.accumulate import accumulate_gradients, accumulator_zeros, widen
@@ -48,8 +50,9 @@ from fp8jax.linen import FP8_COLLECTION, apply_fp8_updates
 from fp8jax.optim import MasterWeights, apply_master_updates
 from fp8jax.parallel import grad_comm as grad_comm_lib
 from fp8jax.parallel import layout
+from fp8jax.parallel import pipeline as pipeline_lib
 from fp8jax.parallel.collectives import CommScaling
-from fp8jax.parallel.mesh import BATCH_AXES
+from fp8jax.parallel.mesh import BATCH_AXES, pipe_size
 from fp8jax.parallel.zero import ZeroPlan
 from fp8jax.scaling import combine_max
 from fp8jax.train import guards
@@ -232,8 +235,73 @@ def _reduce_rest(grads, reduced, loop: GroupLoop, comm):
   return jax.tree.unflatten(treedef, [g if d else next(it) for g, d in zip(leaves, done)]), comm
 
 
+@dataclasses.dataclass(frozen=True)
+class PipelineLoop:
+  """The pipeline loop's settings (see :func:`pipeline_microbatches`).
+
+  Attributes:
+    mesh: the device mesh; its "pipe" axis holds the stages (2 or more).
+    parts: the model cut into ``split(variables) -> (stacked, shared)``, ``merge(stacked,
+      shared)``, ``embed(shared, tokens) -> x``, ``layers(stacked, x) -> x`` and
+      ``logits(shared, x) -> logits`` (``fp8jax.models.layers.DecoderParts``, from
+      ``model.parts()``).
+    schedule: "gpipe" (all forwards, then all backwards: k kept inputs per stage) or "1f1b"
+      (interleaved: at most 2P - 1 kept inputs, a larger bubble; ``fp8jax.parallel.pipeline``).
+  """
+
+  mesh: Mesh
+  parts: Any
+  schedule: str = "gpipe"
+
+  def __post_init__(self):
+    pipeline_lib.check_schedule(self.schedule)
+    if pipe_size(self.mesh) < 2:
+      raise ValueError(f"the pipeline loop needs a mesh with a 'pipe' axis of 2 or more "
+                       f"stages, got axes {dict(self.mesh.shape)}")
+    missing = [m for m in ("split", "merge", "embed", "layers", "logits")
+               if not callable(getattr(self.parts, m, None))]
+    if missing:
+      raise ValueError(f"pipeline parallelism needs the model cut into parts; "
+                       f"{type(self.parts).__name__} has no {missing} (the reference "
+                       f"families give them: model.parts())")
+
+  @property
+  def stages(self) -> int:
+    return pipe_size(self.mesh)
+
+  def stage_fns(self) -> pipeline_lib.Stages:
+    """The model as the schedule's first / stage / last functions (last: mean next-token
+    loss of a microbatch int32[m, T+1])."""
+    parts = self.parts
+    return pipeline_lib.Stages(
+        first=lambda shared, part: parts.embed(shared, part[:, :-1]),
+        stage=parts.layers,
+        last=lambda shared, y, part: cross_entropy(parts.logits(shared, y), part[:, 1:]))
+
+
+def pipeline_microbatches(loop: PipelineLoop, variables, batch, microbatches: int):
+  """The pipeline loop: `batch` int32[B, T+1] split into `microbatches` equal parts run
+  through the stages of ``loop.mesh``'s "pipe" axis (``loop.schedule``: GPipe or 1F1B,
+  :mod:`fp8jax.parallel.pipeline`; each part's sequences stay split over the batch axes).
+  Returns (mean loss, mean
+  parameter gradients in f32 and FP8 state combined by max), as :func:`scan_microbatches`."""
+  if batch.shape[0] % microbatches:
+    raise ValueError(f"batch of {batch.shape[0]} sequences does not split into "
+                     f"{microbatches} microbatches")
+  pipeline_lib.check_stages(loop.stages, microbatches)
+  parts = batch.reshape(microbatches, batch.shape[0] // microbatches, *batch.shape[1:])
+  parts = lax.with_sharding_constraint(
+      parts, NamedSharding(loop.mesh, P(None, layout.group_axes(loop.mesh))))
+  stacked, shared = loop.parts.split(variables)
+  loss, g_stacked, g_shared = pipeline_lib.pipeline_grads(
+      loop.stage_fns(), loop.mesh, stacked, shared, parts, schedule=loop.schedule)
+  grads = loop.parts.merge(g_stacked, g_shared)
+  return loss, {**grads, "params": jax.tree.map(widen, grads["params"])}
+
+
 def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microbatches: int = 1,
                     *, groups: GroupLoop | None = None,
+                    pipeline: PipelineLoop | None = None,
                     weight_gather: fsdp.WeightGather | None = None,
                     reduce_gradients: Callable | None = None,
                     fused_update: Callable | None = None,
@@ -246,12 +314,16 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
   `microbatches` parts that run; None: all). With `groups`: ``step(state, batch int32[G, n, m, T+1],
   counts int32[G], repeats int32[G] | None = None)`` running :func:`group_microbatches` inside
   ``shard_map`` (batch and counts sharded over the groups: ``fp8jax.parallel.layout``).
+  With `pipeline`: ``step(state, batch int32[B, T+1]) -> (state, metrics)`` running
+  :func:`pipeline_microbatches`.
 
   Args:
     apply_fn: ``apply_fn(variables, tokens[B, T]) -> logits[B, T, V]``.
     tx: the optimizer (including clipping); it sees parameters only.
     microbatches: equal parts the batch is split into (uniform loop; must divide B).
     groups: run the per-group loop with these settings.
+    pipeline: run the pipeline loop with these settings (with `reduce_gradients`,
+      `fused_update` and `matrix_dtype` only; `microbatches` >= its stages).
     weight_gather: optional ``fp8jax.fsdp.WeightGather`` (ZeRO-3, ``ZeroPlan.weight_gather``)
       the loss and its gradient are traced under: the model gathers its sharded parameters
       where it uses them. Uniform loop only (the group loop's is ``groups.weight_gather``).
@@ -287,6 +359,11 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
   if groups is not None and (cast_weights, matrix_dtype, reduce_gradients) != (None,) * 3:
     raise ValueError("cast_weights, matrix_dtype and reduce_gradients belong to the uniform "
                      "loop; the group loop reduces through groups.grad_comm")
+  if pipeline is not None and (groups, weight_gather, cast_weights) != (None,) * 3:
+    raise ValueError("the pipeline loop takes none of groups, weight_gather and cast_weights "
+                     "(its stages hold their layers' weights)")
+  if pipeline is not None:
+    pipeline_lib.check_stages(pipeline.stages, microbatches)
 
   def grad_fn(variables, part, extra=None, at_use=weight_gather):
     def loss_of(v):
@@ -351,6 +428,15 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
                "comm_saturated_max": jnp.max(comm.saturated[idx])}
     return new._replace(comm=comm), metrics
 
+  def pipelined(state: TrainState, batch):
+    variables = state.variables(matrix_dtype)
+    loss, grads = pipeline_microbatches(pipeline, variables, batch, microbatches)
+    if reduce_gradients is not None:
+      grads = {**grads, "params": reduce_gradients(grads["params"])}
+    return apply_gradients(state, tx, grads, loss, fused_update)
+
+  if pipeline is not None:
+    return pipelined
   return uniform if groups is None else per_group
 
 
@@ -388,10 +474,19 @@ def apply_gradients(state: TrainState, tx: optax.GradientTransformation, grads, 
   return new_state, {"loss": loss, "grad_norm": grad_norm}
 
 
-def make_eval_step(apply_fn: Callable, weight_gather: fsdp.WeightGather | None = None):
+def make_eval_step(apply_fn: Callable, weight_gather: fsdp.WeightGather | None = None,
+                   pipeline: PipelineLoop | None = None):
   """A jittable ``eval_step(state, batch) -> mean loss`` (FP8 state is not updated);
-  `weight_gather`: as for :func:`make_train_step` (ZeRO-3: parameters gathered at use)."""
+  `weight_gather`: as for :func:`make_train_step` (ZeRO-3: parameters gathered at use);
+  `pipeline`: the batch runs through the pipeline stages as one microbatch, forwards only
+  (``fp8jax.parallel.pipeline.gpipe_loss``; `weight_gather` does not apply)."""
   def eval_step(state, batch):
+    if pipeline is not None:
+      stacked, shared = pipeline.parts.split(state.variables())
+      parts = lax.with_sharding_constraint(
+          batch[None], NamedSharding(pipeline.mesh, P(None, layout.group_axes(pipeline.mesh))))
+      return pipeline_lib.pipeline_loss(pipeline.stage_fns(), pipeline.mesh, stacked, shared,
+                                        parts)
     with fsdp.gathering(weight_gather):
       return next_token_loss(apply_fn, state.variables(), batch)
   return eval_step
@@ -420,7 +515,8 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
                growth_interval: int = 1000, fused_update: Callable | None = None,
                cast_weights: Callable | None = None, matrix_dtype=None,
                skip_nonfinite: bool = True, gathers_at_use: bool = True,
-               layer_stacks: Sequence[str] = ("layers",)) -> TrainStep:
+               layer_stacks: Sequence[str] = ("layers",),
+               pipeline: PipelineLoop | None = None) -> TrainStep:
   """The jitted step of `plan`'s layout for a step of `microbatches` microbatches.
 
   Args:
@@ -438,7 +534,13 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
       active ``fp8jax.fsdp.WeightGather`` (the reference families: ``Decoder.gathers_at_use``).
       False: the per-group loop gets them whole (the uniform loop leaves the rest to XLA).
     layer_stacks: see :class:`GroupLoop` (the reference families scan "layers").
+    pipeline: the pipeline loop's settings (:class:`PipelineLoop` on the plan's mesh);
+      needed when that mesh has pipeline stages, refused otherwise.
     Other arguments: as for :func:`make_train_step`.
+
+  On a mesh with a "pipe" axis the loop is the pipeline's (:func:`pipeline_microbatches`,
+  with the plan's gradient layout; `microbatches` >= the stages; not with `counts`,
+  `dynamic`, `grad_comm` "fp8" or `cast_weights`).
 
   The loop is per group when `counts` is given or `grad_comm` is "fp8" (every group then
   runs all microbatches on its 1/G of each: the uniform split); else the uniform loop with
@@ -463,7 +565,23 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
                        f"microbatches of {microbatch_size} sequences")
     return k
 
-  if per_group:
+  if (pipeline is not None) != (pipe_size(mesh) > 1) or (
+      pipeline is not None and pipeline.mesh != mesh):
+    raise ValueError(f"build_step: a plan whose mesh has {pipe_size(mesh)} pipeline stages "
+                     f"needs {'a PipelineLoop on that mesh' if pipe_size(mesh) > 1 else 'no'} "
+                     f"pipeline, got {pipeline!r}")
+  if pipeline is not None:
+    unsupported = {"counts": counts is not None, "dynamic": dynamic,
+                   "grad_comm='fp8'": grad_comm == "fp8", "cast_weights": cast_weights is not None}
+    if any(unsupported.values()):
+      raise ValueError(f"build_step: pipeline parallelism ({pipe_size(mesh)} stages) does not "
+                       f"support {[k for k, v in unsupported.items() if v]} yet; leave them out")
+    step = make_train_step(apply_fn, tx, microbatches, pipeline=pipeline,
+                           reduce_gradients=plan.reduce_fn(), fused_update=fused_update,
+                           matrix_dtype=matrix_dtype)
+    place = lambda batch: (layout.put_global(batch, sharding),)
+    batch_shardings = (sharding,)
+  elif per_group:
     # ZeRO-3: a model that gathers its parameters at use does it inside the loop when every
     # group runs the same count (the loop's collectives then line up across groups); with
     # per-group counts, or a model that does not, the parameters come whole (XLA gathers
