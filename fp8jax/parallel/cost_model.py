@@ -421,8 +421,9 @@ SCHEDULES = ("1f1b", "gpipe")
 
 class Layout(NamedTuple):
   """How the GPUs training one model split it: `data` data-parallel ranks (the ZeRO shards)
-  x `tensor` tensor-parallel ranks x `pipeline` stages; `schedule` of the pipeline: "1f1b"
-  (a stage holds at most `pipeline` microbatches' activations) or "gpipe" (all of them)."""
+  x `tensor` tensor-parallel ranks x `pipeline` stages; `schedule` of the pipeline
+  (:mod:`fp8jax.parallel.pipeline`): "1f1b" (lockstep: a stage holds at most 2 x `pipeline`
+  - 1 microbatches' inputs) or "gpipe" (all of them)."""
 
   data: int = 1
   tensor: int = 1
@@ -565,9 +566,9 @@ def device_memory(model: ModelShape, level: str, stage: int, seq_len: int, micro
   # the fused update reads one microbatch's BF16 kernel gradients as they come (uniform step)
   narrow = fused_update and microbatches == 1 and not local_grads
   out = None
-  # in flight on the first stage: 1F1B at most one per stage, GPipe every microbatch
+  # in flight on the first stage: the lockstep 1F1B at most 2P - 1, GPipe every microbatch
   in_flight = 1 if pp == 1 else microbatches if layout.schedule == "gpipe" else min(
-      microbatches, pp)
+      microbatches, 2 * pp - 1)
   for first, last in ((True, True),) if pp == 1 else ((True, False), (False, True)):
     kernels = layers * layer_kernels + (model.head_kernels if last else 0)
     others = layers * model.layer_others + (model.embedding if first else 0)

@@ -11,11 +11,12 @@ group's collectives run over NVLink when the GPUs it spans fit one node
 (``gpus_per_node``), else over the inter-node link per GPU. A step of k microbatches of m
 sequences per data-parallel rank (k = global batch / (data x m)) is
 
-  step = (k + P - 1) x t + tensor comm + (1 - overlap) x (pipeline + data comm) + update
+  step = k x t / (1 - b) + tensor comm + (1 - overlap) x (pipeline + data comm) + update
 
 with t one microbatch's seconds on one GPU (:func:`fp8jax.parallel.cost_model.
-microbatch_seconds` / (tensor x P)), (P - 1) x t the pipeline bubble ((P-1)/(k+P-1) of the
-compute), tensor comm 4 all-reduces of the microbatch's activations (n d x compute bytes)
+microbatch_seconds` / (tensor x P)), b the schedule's bubble fraction
+(:func:`fp8jax.parallel.pipeline.bubble_fraction`: (P-1)/(k+P-1) with GPipe,
+2(P-1)/(k+2(P-1)) with the lockstep 1F1B), tensor comm 4 all-reduces of the microbatch's activations (n d x compute bytes)
 per layer and microbatch (2 more under remat: the recomputed forward), on the critical path;
 pipeline comm one activation forward and one gradient back per microbatch and stage boundary;
 data comm the ZeRO stage's collectives of the GPU's parameters over the data-parallel ranks
@@ -29,6 +30,7 @@ from typing import Iterator, NamedTuple, Sequence
 
 from fp8jax.hardware import fp8_native, gpu_spec
 from fp8jax.parallel import cost_model as cm
+from fp8jax.parallel.pipeline import bubble_fraction
 
 STAGES = (1, 3)  # the ZeRO stages tried by default
 
@@ -123,7 +125,9 @@ def layout_step(model: cm.ModelShape, kind: str, level: str, zero_stage: int,
   eff = a.fp8_optimizer_hbm_efficiency if cm._level(level).scaled_master else a.hbm_efficiency
   optimizer = cm.optimizer_bytes_per_param(level) * (kernels + others) / (
       d if stage >= 1 else 1) / (spec.hbm_bw * eff)
-  compute, bubble = k * t_mb, (pp - 1) * t_mb
+  compute = k * t_mb
+  idle = bubble_fraction(pp, k, layout.schedule) if pp > 1 else 0.0
+  bubble = compute * idle / (1 - idle)
   step = compute + bubble + tensor_comm + (1 - a.overlap) * (pipe_comm + data_comm) + optimizer
   tokens_per_s = global_batch * seq_len / step
   mfu = model.flops_per_token(seq_len) * tokens_per_s / (layout.gpus * spec.bf16_flops)
@@ -154,7 +158,8 @@ def candidates(model: cm.ModelShape, kind: str, gpus: int, level: str, seq_len: 
                a: cm.Assumptions = cm.Assumptions(), gpus_per_node: int = 8,
                inter_node_bw: float = 50e9, schedule: str = "1f1b") -> list[LayoutStep]:
   """The step of every stage in `stages` (raised to the level's least) x :func:`layouts` x
-  power-of-two microbatch that divides the batch of a data-parallel rank."""
+  power-of-two microbatch that divides the batch of a data-parallel rank into at least as
+  many microbatches as the layout has pipeline stages (what the step runs)."""
   level = cm._check_level(level)
   for name, value in (("gpus", gpus), ("seq_len", seq_len), ("global_batch", global_batch)):
     _check_int(name, value)
@@ -165,7 +170,7 @@ def candidates(model: cm.ModelShape, kind: str, gpus: int, level: str, seq_len: 
       per_rank = global_batch // layout.data
       m = 1
       while m <= per_rank:
-        if per_rank % m == 0:
+        if per_rank % m == 0 and per_rank // m >= layout.pipeline:
           out.append(layout_step(model, kind, level, stage, layout, seq_len, global_batch, m,
                                  a, gpus_per_node, inter_node_bw))
         m *= 2

@@ -161,8 +161,8 @@ def test_memory_model_by_hand():
 
 
 def test_pipeline_and_tensor_memory_by_hand():
-  """Each stage holds its layers' share, tensor ranks their kernels' share; 1F1B's first stage
-  keeps `pipeline` microbatches' saved layer inputs, GPipe's all k."""
+  """Each stage holds its layers' share, tensor ranks their kernels' share; the lockstep
+  1F1B's first stage keeps 2 x `pipeline` - 1 microbatches' saved layer inputs, GPipe's all k."""
   m = memory.model_shape(BIG_CONFIG)
   d, c, n_tok = 4096, 2, 2 * 2048
   a = cm.Assumptions()
@@ -175,8 +175,8 @@ def test_pipeline_and_tensor_memory_by_hand():
   assert whole.state["master weights"] == 2 * m.params
   saved = 8 * n_tok * d * c  # 8 layers' inputs per microbatch in flight
   working = n_tok * (4 * d + (12 * d + 3 * 2 * 11008) / 2) * c
-  first = cm.activation_bytes(m, 2048, 2, "O2", tensor=2, layers=8, in_flight=4, logits=False)
-  assert first == 4 * saved + working
+  first = cm.activation_bytes(m, 2048, 2, "O2", tensor=2, layers=8, in_flight=7, logits=False)
+  assert first == 7 * saved + working
   last = cm.activation_bytes(m, 2048, 2, "O2", tensor=2, layers=8, in_flight=1)
   assert last == saved + working + n_tok * 256 * 8  # one microbatch, and the logits
   assert piped.backward["activations"] in (first, last)

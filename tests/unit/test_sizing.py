@@ -64,22 +64,25 @@ def test_one_row_by_hand_7b_zero3_on_64_h100s():
 
 def test_tensor_and_pipeline_terms_by_hand():
   """tensor 2 x pipeline 4 x data 16 (128 GPUs), 4 sequences per microbatch, k = 16: the
-  bubble is 3 microbatches, tensor all-reduces run over NVLink, pipeline sends between
-  nodes."""
+  lockstep 1F1B's bubble is 2 x 3 microbatches (GPipe's 3), tensor all-reduces run over
+  NVLink, pipeline sends between nodes."""
   s = sizing.layout_step(M7, "H100-SXM", "O3", 1, cm.Layout(16, 2, 4), SEQ, BATCH, 4)
   t = _microbatch_seconds(4, tensor=2, pipe=4)
   act = 4 * SEQ * 4096 * 2  # one microbatch's activations between layers, BF16
   assert s.microbatches == 16
-  assert s.compute_s == pytest.approx(16 * t) and s.bubble_s == pytest.approx(3 * t)
-  assert s.bubble_s / (s.compute_s + s.bubble_s) == pytest.approx(3 / (16 + 3))
+  assert s.compute_s == pytest.approx(16 * t) and s.bubble_s == pytest.approx(6 * t)
+  assert s.bubble_s / (s.compute_s + s.bubble_s) == pytest.approx(6 / (16 + 6))
+  g = sizing.layout_step(M7, "H100-SXM", "O3", 1, cm.Layout(16, 2, 4, "gpipe"), SEQ, BATCH, 4)
+  assert g.bubble_s == pytest.approx(3 * t)
   # 8 layers per stage x 6 all-reduces (remat) x 2 (T-1)/T x act over NVLink 450 GB/s
   assert s.tensor_comm_s == pytest.approx(16 * 8 * 6 * 2 * 0.5 * act / (450e9 * 0.8))
   assert s.pipeline_comm_s == pytest.approx(16 * 2 * act / (50e9 * 0.8))
   first = cm.device_memory(M7, "O3", 1, SEQ, 4, 16, cm.Layout(16, 2, 4))
   assert s.memory == first
-  # the first stage of 1F1B holds 4 microbatches' saved layer inputs
-  assert cm.activation_bytes(M7, SEQ, 4, "O3", 2, 8, 4, False) - cm.activation_bytes(
-      M7, SEQ, 4, "O3", 2, 8, 1, False) == 3 * 8 * act
+  # the first stage of the lockstep 1F1B holds 2P - 1 = 7 microbatches' saved layer inputs
+  assert cm.activation_bytes(M7, SEQ, 4, "O3", 2, 8, 7, False) - cm.activation_bytes(
+      M7, SEQ, 4, "O3", 2, 8, 1, False) == 6 * 8 * act
+  assert first.backward["activations"] == cm.activation_bytes(M7, SEQ, 4, "O3", 2, 8, 7, False)
 
 
 def test_best_layout_is_the_fastest_that_fits_else_the_smallest():
