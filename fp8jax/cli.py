@@ -30,7 +30,6 @@ import argparse
 import os
 import sys
 import textwrap
-import time
 import traceback
 
 import numpy as np
@@ -93,17 +92,6 @@ def _rel(a, ref) -> float:
   return float(np.linalg.norm(a - ref) / np.linalg.norm(ref))
 
 
-def _median_ms(fn, args, steps: int) -> float:
-  import jax
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - t0)
-  return 1e3 * float(np.median(times))
-
-
 def compare_dense(m: int, k: int, n: int, steps: int = 5, seed: int = 0) -> dict:
   """FP8 vs BF16 Dense layer y = x @ w, forward + backward, on fresh random inputs.
 
@@ -139,7 +127,7 @@ def compare_dense(m: int, k: int, n: int, steps: int = 5, seed: int = 0) -> dict
     for _ in range(2):  # warm the delayed scales up on this data
       outs, mt = step(*args16, mt)
     row = {name: _rel(o, ref[name]) for name, o in zip(("out", "dx", "dw"), outs)}
-    row["ms"] = _median_ms(step, (*args16, mt), steps)
+    row["ms"] = bench.timing.time_calls(lambda: step(*args16, mt), steps, warmup=1).median
     results[mode] = row
   return results
 

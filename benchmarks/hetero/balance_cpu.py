@@ -40,7 +40,7 @@ def main() -> None:
          # GPUs would not (else a process alone borrows the other's core and the solo
          # measurements understate the contended step).
          "XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"}
-  cmd = [sys.executable, os.path.join(ROOT, "tests", "hetero_worker.py"), out, "1,3",
+  cmd = [sys.executable, os.path.join(ROOT, "tests", "distributed", "hetero_worker.py"), out, "1,3",
          args.repeats, str(args.steps)]
   procs = [subprocess.Popen(cmd, env={**env, "FP8JAX_PROCESS_ID": str(i)}) for i in range(2)]
   if any(p.wait(timeout=900) for p in procs):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -23,17 +22,16 @@ sys.path.insert(0, ROOT)
 
 
 def median_ms(step, state, batch, steps: int):
-  import jax
-  for _ in range(2):  # compile + warm the FP8 state
-    state, m = step(state, batch)
-    jax.block_until_ready(m)
-  times = []
-  for _ in range(steps):
-    t0 = time.perf_counter()
-    state, m = step(state, batch)
-    jax.block_until_ready(m)
-    times.append(time.perf_counter() - t0)
-  return state, 1e3 * float(np.median(times)), float(m["loss"])
+  """(state after the calls, median ms of `steps` blocking calls after two warm-up calls
+  (compile, then warm FP8 state), the last call's loss)."""
+  from fp8jax.bench.timing import time_calls
+  carry = {"state": state}
+
+  def one_step():
+    carry["state"], carry["metrics"] = step(carry["state"], batch)
+    return carry["metrics"]
+  timing = time_calls(one_step, steps, warmup=2)
+  return carry["state"], timing.median, float(carry["metrics"]["loss"])
 
 
 def main(argv=None) -> int:
@@ -63,7 +61,7 @@ def main(argv=None) -> int:
   state = trainer.state
   print(f"{args.config} at {args.level}: microbatch {mb} x {seq} tokens; dynamic step built "
         f"for up to {top} microbatches")
-  print(f"| microbatches | tokens | fixed ms | dynamic ms | dynamic / fixed | loss (both) |")
+  print("| microbatches | tokens | fixed ms | dynamic ms | dynamic / fixed | loss (both) |")
   print("|---|---|---|---|---|---|")
   for k in counts:
     batch = full[:k * mb]

@@ -10,17 +10,17 @@ import os
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 
-from fp8jax.train.step import next_token_loss
+from fp8jax.train.step import next_token_loss, scan_microbatches
 
 logger = logging.getLogger("fp8jax")
 
 
 class Bf16Loss:
   """``(params, batch int32[n m, T+1]) -> mean loss`` of `model` (a BF16 model: no FP8
-  state) over the batch's n microbatches of `microbatch_size` sequences, averaged like the
-  train step's loss; one jitted program per n."""
+  state) over the batch's n microbatches of `microbatch_size` sequences, averaged as the
+  train step averages its loss (the step's microbatch loop,
+  :func:`fp8jax.train.step.scan_microbatches`, without gradients); one jitted program per n."""
 
   def __init__(self, model, microbatch_size: int):
     self.model, self.microbatch_size = model, microbatch_size
@@ -32,9 +32,9 @@ class Bf16Loss:
       apply = self.model.apply
 
       def loss(params, batch):
-        parts = batch.reshape(n, -1, batch.shape[-1])
-        each = jax.lax.map(lambda b: next_token_loss(apply, {"params": params}, b), parts)
-        return jnp.mean(each)
+        # The loop's "gradients" are an empty tree: it sums and averages the losses alone.
+        loss_only = lambda none, part: (next_token_loss(apply, {"params": params}, part), none)
+        return scan_microbatches(loss_only, {"params": {}}, batch, n)[0]
       self._jitted[n] = jax.jit(loss)
     return self._jitted[n](params, batch)
 

@@ -5,6 +5,7 @@ import textwrap
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -91,6 +92,27 @@ def test_trainer_skips_nan_steps_reloads_after_k_and_falls_back_to_bf16(tmp_path
   assert resumed.resume() == 10
   assert resumed.model.recipe is None and resumed.fallback_reason == events[0]["reason"]
   assert resumed.skips.total == 2
+
+
+def test_bf16_loss_is_the_mean_over_the_batchs_microbatches(key):
+  """The watchdog's BF16 loss of a batch of 3 microbatches is the whole batch's mean loss
+  (equal microbatches: the mean of their means), not one microbatch's nor their sum."""
+  from fp8jax.models import GPT, ModelConfig, init_model
+  from fp8jax.train.fallback import Bf16Loss
+  cfg = ModelConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=8, dtype="float32")
+  k1, k2 = jax.random.split(key)
+  params = init_model(cfg, None, k1, 2, 8)["params"]
+  batch = jax.random.randint(k2, (6, 9), 0, 256)
+  model = GPT(cfg, None)
+  logits = model.apply({"params": params}, batch[:, :-1])
+  per_seq = -jax.vmap(lambda lg, t: jnp.mean(jnp.take_along_axis(
+      jax.nn.log_softmax(lg), t[:, None], axis=-1)))(logits, batch[:, 1:])
+  parts = np.asarray(per_seq, np.float64).reshape(3, 2).mean(axis=1)
+  got = float(Bf16Loss(model, microbatch_size=2)(params, batch))
+  # f32 throughout: only summation order differs from the float64 mean (~1e-7 relative);
+  # the microbatches' losses differ by ~0.5 nats, so one part alone or their sum fails.
+  assert abs(got - parts.mean()) < 1e-5 * parts.mean(), (got, parts)
+  assert np.ptp(parts) > 1e-3, parts
 
 
 def test_skip_counter_asks_for_a_reload_after_k_in_a_row():

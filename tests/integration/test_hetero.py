@@ -330,7 +330,8 @@ def test_trainer_runs_balanced_and_matches_the_uniform_run(tmp_path):
 @pytest.mark.slow
 def test_two_processes_agree_and_balanced_step_is_the_full_batch_step(tmp_path):
   counts = (1, 3)
-  ft_util.run_workers("hetero_worker.py", [tmp_path, "1,3", "2,0", 3], 2, timeout=400)
+  # No timing steps: step times are benchmarks/hetero/balance_cpu.py's (this worker, timed).
+  ft_util.run_workers("hetero_worker.py", [tmp_path, "1,3", "2,0", 0], 2, timeout=400)
   plans = [json.loads((tmp_path / f"plan_{i}.json").read_text()) for i in range(2)]
   assert plans[0] == plans[1] and plans[0]["native"] == [False, True]
   model, tx, state, batch = setup(True, sum(counts) * MICROBATCH)
@@ -341,7 +342,3 @@ def test_two_processes_agree_and_balanced_step_is_the_full_batch_step(tmp_path):
   assert len(got) == len(want)
   for a, b in zip(got, want):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-  timing = json.loads((tmp_path / "timing.json").read_text())
-  ratio = timing["2,2"] / timing["1,3"]
-  print(f"process 0 slowed 3x: uniform 2+2 step {timing['2,2'] * 1e3:.1f} ms, balanced 1+3 "
-        f"{timing['1,3'] * 1e3:.1f} ms: {ratio:.2f}x")
