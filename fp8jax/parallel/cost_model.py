@@ -500,8 +500,12 @@ class DeviceMemory(NamedTuple):
 
   @property
   def idle_peak(self) -> float:
-    """The peak of a GPU that runs no microbatch (state and update only)."""
-    return sum(self.state.values()) + sum(self.update.values())
+    """The peak of a GPU that runs no microbatch: state and update, and where the step takes
+    the whole model before its loop (a balanced step at ZeRO-3) that model and its
+    accumulator, which every group holds."""
+    whole = sum(self.backward.get(k, 0.0) for k in ("gathered model", "accumulator")
+                ) if "gathered model" in self.backward else 0.0
+    return sum(self.state.values()) + max(sum(self.update.values()), whole)
 
 
 def fp8_meta_bytes(level: str, gemms: int) -> int:
