@@ -74,12 +74,13 @@ def _copy(tree):
   return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
 
 
-@pytest.mark.parametrize("level,compared", [("O0", range(5)), ("O1", (0, 4))])
+@pytest.mark.parametrize("level,compared", [("O0", (0, 2, 4)), ("O1", (0, 4))])
 def test_a_ramp_compiles_one_step_equal_to_each_fixed_size_step(level, compared, caplog):
   """A ramp over 5 distinct microbatch counts (1..5) compiles the train step once (jax's
   compile log), and a ramp step gives the loss and updated parameters of the step compiled
   for its count alone, from the same state and batch: equal up to f32 summation order (1e-6;
-  at O1 the same FP8 casts, compared at the ramp's two ends to save compiles)."""
+  at O1 the same FP8 casts). Compared at counts 1, 3 and 5 (O0) or 1 and 5 (O1) to save
+  compiles: a loop that ran a wrong number of parts would be off at every count but one."""
   cfg = _config(level, "train.batch_ramp={start_tokens: 32, end_tokens: 160, ramp_steps: 4}",
                 "train.batch_size=10", "train.microbatches=5", steps=5)
   trainer = Trainer(cfg, progress=False)

@@ -126,7 +126,7 @@ def test_trainer_runs_tensor_parallel(tmp_path):
         "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "max_seq_len": 16},
         "data": {"seq_len": 16, "max_bytes": 200_000},
         "train": {"steps": 2, "batch_size": 8, "warmup_steps": 1, "eval_every": 0,
-                  "log_every": 1, "opt_level": "O2"},
+                  "log_every": 1, "opt_level": "O2", "fp8_health_every": 0},
         "parallel": par, "runtime": {"run_dir": str(tmp_path / name)}})
     trainer = Trainer(cfg, progress=False)
     losses[name] = [trainer.run()["loss"]]

@@ -228,10 +228,11 @@ def test_config_o3_uses_zero_stage_one():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("processes", [2, 4])
-def test_multi_process_zero3_matches_single_process(runs, tmp_path, processes):
-  """`processes` local processes x 2 CPU devices under jax.distributed (gloo) run the same
-  ZeRO-3 steps as the single-process runs."""
+def test_multi_process_zero3_matches_single_process(runs, tmp_path):
+  """2 local processes x 2 CPU devices under jax.distributed (gloo) run the same ZeRO-3 steps
+  as the single-process runs (2 processes make every collective cross processes; 4 on a
+  2-core CI machine proved nothing more for twice the time)."""
+  processes = 2
   out = tmp_path / "params.npy"
   logs = ft_util.run_workers("zero_worker.py", [runs["seed"], out], processes)
   assert f"process 0 of {processes}: mesh data={2 * processes}" in logs[0]
