@@ -5,13 +5,17 @@ decoder; ``fp8jax plot RUN_DIR...``: overlays runs' loss curves and FP8 scales i
 ``fp8jax launch -n N [--max-restarts R] -- COMMAND``: N supervised local processes
 (``fp8jax.launch``). ``fp8jax profile --config C``: seconds per microbatch vs microbatch size
 on this device kind (``fp8jax.train.profile``), written as a throughput profile
-(``fp8jax.parallel.profile``). ``fp8jax convert-hf RUN_DIR OUT_DIR``: a llama run's checkpoint in the Hugging Face layout
-(``fp8jax.train.export``); ``fp8jax tokenizer train``: a byte-level BPE tokenizer
-(``fp8jax.data.train_tokenizer``). ``fp8jax check``: lists the devices, says whether FP8 GEMMs run
-natively or emulated (and why), and compares one Dense layer's forward+backward in FP8
-against BF16: relative error of output, input gradient and weight gradient vs a float64
-reference, and time per step. ``fp8jax bench mlp|step|optim|comm|all``: fp8jax's speed claims
-measured on this machine, each against its baselines in the same process (``fp8jax.bench``).
+(``fp8jax.parallel.profile``). ``fp8jax convert-hf RUN_DIR OUT_DIR``: a llama run's
+checkpoint in the Hugging Face layout (``fp8jax.train.export``); ``fp8jax tokenizer train``: a
+byte-level BPE tokenizer (``fp8jax.data.train_tokenizer``). ``fp8jax simulate --cluster C
+--config F``: predicted step time and memory of a (mixed) cluster (``fp8jax.parallel.
+cost_model``); ``fp8jax simulate --table``: per-GPU memory and step time of 7B, 70B and 175B on
+8 to 1024 GPUs, the fastest layout that fits (``fp8jax.parallel.sizing``). ``fp8jax check``:
+lists the devices, says whether FP8 GEMMs run natively or emulated (and why), and compares
+one Dense layer's forward+backward in FP8 against BF16: relative error of output, input
+gradient and weight gradient vs a float64 reference, and time per step. ``fp8jax bench
+mlp|step|optim|comm|all``: fp8jax's speed claims measured on this machine, each against its
+baselines in the same process (``fp8jax.bench``).
 
 Errors: bad input (a missing file, a config value, a data problem: an ``OSError``, or a
 ``ValueError`` that fp8jax raises about its input) prints one line ``fp8jax: error: ...`` on
@@ -215,30 +219,6 @@ def _stages(text: str) -> list[int]:
     raise UsageError(f"--zero {text!r} is not a comma-separated list of stages 0..3") from None
 
 
-def model_shape(model_config):
-  """The :class:`fp8jax.parallel.cost_model.ModelShape` of a built-in family's config
-  (``ModelConfig``, ``LlamaConfig``) or of a config's model section."""
-  from fp8jax.models.family import family_of
-  from fp8jax.parallel.cost_model import ModelShape
-  cfg = model_config
-  if hasattr(cfg, "model_config"):  # a config's model section
-    cfg = model_config.model_config()
-    if cfg is None:
-      raise UsageError("simulate models the built-in families (model.family gpt or llama); "
-                       f"this config's model comes from model.builder={model_config.builder!r}")
-  fam = family_of(cfg)
-  d, v = cfg.d_model, cfg.vocab_size
-  matmul = fam.matmul_param_count(cfg)
-  # flops_per_token is affine in seq_len: its slope and intercept from two lengths
-  per_position = fam.flops_per_token(cfg, 2) - fam.flops_per_token(cfg, 1)
-  return ModelShape(
-      n_layers=cfg.n_layers, d_model=d, d_ff=cfg.d_ff, vocab_size=v,
-      kernel_params=matmul - (d * v if cfg.tie_embeddings else 0),
-      other_params=v * d + cfg.n_layers * 2 * d + d,  # embedding (a lookup) and norms
-      matmul_params=matmul, flops_per_token_fixed=fam.flops_per_token(cfg, 1) - per_position,
-      flops_per_position=per_position, remat=cfg.remat)
-
-
 def cmd_convert_hf(args) -> int:
   from fp8jax.train.export import export_hf
   step, files = export_hf(args.run_dir, args.out_dir, step=args.step, dtype=args.dtype,
@@ -257,12 +237,76 @@ def cmd_tokenizer_train(args) -> int:
   return 0
 
 
+# Llama-style shapes of the `simulate --table` models: (layers, d_model, heads, key/value
+# heads, SwiGLU width, vocabulary). 7B and 70B: LLaMA 2's; 175B: GPT-3's depth, width and heads
+# with LLaMA's SwiGLU (8/3 d_model) and vocabulary.
+TABLE_MODELS = {"7B": (32, 4096, 32, 32, 11008, 32000),
+                "70B": (80, 8192, 64, 8, 28672, 32000),
+                "175B": (96, 12288, 96, 96, 32768, 32000)}
+
+
+def table_model(name: str, seq_len: int):
+  """The ``LlamaConfig`` of `name` in :data:`TABLE_MODELS` (full remat, BF16 compute)."""
+  from fp8jax.models.llama import LlamaConfig
+  if name not in TABLE_MODELS:
+    raise UsageError(f"--models: {name!r} is not one of {list(TABLE_MODELS)}")
+  layers, d, heads, kv, ff, vocab = TABLE_MODELS[name]
+  return LlamaConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads,
+                     n_kv_heads=kv, d_ff=ff, max_seq_len=seq_len, remat=True,
+                     remat_policy="full")
+
+
+def simulate_table(args) -> str:
+  """The text `fp8jax simulate --table` prints: for each model, GPU count and level the
+  fastest layout that fits (:func:`fp8jax.parallel.sizing.best_layout`), with the models'
+  shapes and the assumptions."""
+  from fp8jax.hardware import gpu_spec
+  from fp8jax.parallel import sizing
+  from fp8jax.train.memory import model_shape
+  kind = gpu_spec(args.kind).name
+  seq_len = 4096 if args.seq_len is None else args.seq_len
+  batch = 1024 if args.batch is None else args.batch
+  bw = args.inter_node_gbps * 1e9 / 8
+  names = [n.strip().upper() for n in args.models.split(",") if n.strip()]
+  levels = [x.strip().upper() for x in (args.levels or "O0,O3").split(",") if x.strip()]
+  counts = sizing.gpu_counts(args.gpus)
+  stages = _stages(args.zero)
+  lines = [f"fp8jax simulate: per-GPU memory and step time on {', '.join(map(str, counts))} x "
+           f"{kind} ({gpu_spec(kind).hbm_bytes / 2**30:.1f} GiB); for each model, GPU count "
+           "and level the fastest setting that fits, else the one needing the least memory "
+           "(ZeRO stages tried: " + ", ".join(map(str, stages)) + "); predictions, not "
+           "measurements"]
+  rows = []
+  for name in names:
+    cfg = table_model(name, seq_len)
+    shape = model_shape(cfg)
+    lines.append(f"- {name}: {cfg.n_layers} layers, d_model {cfg.d_model}, {cfg.n_heads} heads "
+                 f"({cfg.n_kv_heads} key/value), SwiGLU {cfg.d_ff}, vocab {cfg.vocab_size}, "
+                 f"seq {seq_len}: {shape.params / 1e9:.1f}B parameters")
+    for gpus in counts:
+      for level in levels:
+        rows.append((name, sizing.best_layout(shape, kind, gpus, level, seq_len, batch, stages,
+                                              gpus_per_node=args.gpus_per_node,
+                                              inter_node_bw=bw)))
+  lines += [f"- {line}" for line in sizing.assumption_lines(seq_len, batch, args.gpus_per_node,
+                                                            bw)]
+  lines += ["", sizing.format_rows(rows)]
+  return "\n".join(lines)
+
+
 def cmd_simulate(args) -> int:
-  """Prints predicted step times of a mixed cluster, uniform vs balanced split."""
+  """Prints predicted step times of a mixed cluster, uniform vs balanced split, or (with
+  --table) the layout table of :func:`simulate_table`."""
   from fp8jax.config import load_config
   from fp8jax.hardware import gpu_spec
   from fp8jax.parallel import cost_model as cm
   from fp8jax.recipe import opt_level
+  from fp8jax.train.memory import model_shape
+  if args.table:
+    print(simulate_table(args))
+    return 0
+  if not args.cluster or not args.config:
+    raise UsageError("simulate needs --cluster and --config (or --table)")
   config = load_config(_config_path(args.config))
   cluster = cm.parse_cluster(args.cluster, args.gpus_per_node, args.inter_node_gbps * 1e9 / 8)
   batch = args.batch or config.train.batch_size
@@ -281,7 +325,8 @@ def cmd_simulate(args) -> int:
           "that level and sequence length only)")
   runs = []
   model = model_shape(config.model)
-  for level in [x.strip().upper() for x in args.levels.split(",") if x.strip()]:
+  for level in [x.strip().upper() for x in (args.levels or "O0,O1,O2,O3").split(",")
+                if x.strip()]:
     for stage in sorted({opt_level(level).zero_stage_for(z) for z in _stages(args.zero)}):
       runs.append(cm.predict(cluster, model, seq_len, batch, level, stage,
                              profiles=profiles.get((level, seq_len))))
@@ -373,16 +418,29 @@ def build_parser() -> argparse.ArgumentParser:
   plot.add_argument("-o", "--output", default="runs.png", help="PNG path (default: runs.png)")
   plot.set_defaults(func=cmd_plot)
   sim = sub.add_parser("simulate", help="predicted step time of a mixed-GPU cluster, uniform "
-                       "vs throughput-balanced microbatches (fp8jax.parallel.cost_model)")
-  sim.add_argument("--cluster", required=True, help="e.g. 8xA100-80GB+8xH100-SXM")
-  sim.add_argument("--config", required=True, help="YAML config, e.g. configs/gpt_7b.yaml")
-  sim.add_argument("--levels", default="O0,O1,O2,O3",
-                   help="comma-separated (default O0,O1,O2,O3)")
+                       "vs throughput-balanced microbatches (fp8jax.parallel.cost_model); "
+                       "--table: per-GPU memory and step time of 7B/70B/175B on 8-1024 GPUs")
+  sim.add_argument("--cluster", default=None, help="e.g. 8xA100-80GB+8xH100-SXM")
+  sim.add_argument("--config", default=None, help="YAML config, e.g. configs/gpt_7b.yaml")
+  sim.add_argument("--table", action="store_true",
+                   help="for each of --models on each of --gpus GPUs of --kind and each level: "
+                        "the fastest ZeRO stage x tensor x pipeline x microbatch that fits, "
+                        "its per-GPU memory, step time, tokens/s and MFU "
+                        "(fp8jax.parallel.sizing); --cluster and --config are not used")
+  sim.add_argument("--models", default="7B,70B,175B",
+                   help=f"--table: models among {', '.join(TABLE_MODELS)} (default all)")
+  sim.add_argument("--gpus", default="8,64,256,1024",
+                   help="--table: GPU counts, comma-separated (default 8,64,256,1024)")
+  sim.add_argument("--kind", default="H100-SXM", help="--table: GPU kind (default H100-SXM)")
+  sim.add_argument("--levels", default=None,
+                   help="comma-separated (default O0,O1,O2,O3; --table: O0,O3)")
   sim.add_argument("--zero", default="1,3", help="ZeRO stages, comma-separated (default 1,3)")
   sim.add_argument("--batch", type=int, default=None,
-                   help="global batch in sequences (default: the config's train.batch_size)")
+                   help="global batch in sequences (default: the config's train.batch_size; "
+                        "--table: 1024)")
   sim.add_argument("--seq-len", type=int, default=None,
-                   help="tokens per sequence (default: the config's data.seq_len)")
+                   help="tokens per sequence (default: the config's data.seq_len; --table: "
+                        "4096)")
   sim.add_argument("--gpus-per-node", type=int, default=8, help="default 8")
   sim.add_argument("--inter-node-gbps", type=float, default=400.0,
                    help="inter-node bandwidth per GPU, Gb/s (default 400)")

@@ -40,7 +40,6 @@ from fp8jax.recipe import LEVELS, OptLevel, Recipe, format_name, opt_level
 # Features that are not built yet: (key path, values that work now, what the other values need).
 # A value outside the second column is refused. Remove the line when the feature lands.
 NOT_BUILT_YET = (
-    ("parallel.pipeline_parallel_size", (1,), "pipeline parallelism"),
     ("model.dropout_rate", (0.0, 0), "dropout RNG plumbing in the train step"),
 )
 
@@ -544,10 +543,11 @@ _MESH_SIZE = _Rule(lambda v: v == -1 or v >= 1, "an integer >= 1, or -1 (fill th
 
 @dataclasses.dataclass(frozen=True)
 class ParallelSection(_Section):
-  """Sharding and parallelism (DeepSpeed's names; ``fp8jax.parallel``). Mesh axes data x
-  fsdp x tensor (one size may be -1: the devices left); ZeRO stage 0..3 (a level may raise
-  it: :meth:`Config.zero_stage`); `offload_optimizer` keeps the optimizer state in host memory
-  (needs a stage)."""
+  """Sharding and parallelism (DeepSpeed's names; ``fp8jax.parallel``). Mesh axes pipe x
+  data x fsdp x tensor (one of data, fsdp, tensor may be -1: the devices left;
+  `pipeline_parallel_size` stages split the layers, ``fp8jax.parallel.pipeline``); ZeRO stage
+  0..3 (a level may raise it: :meth:`Config.zero_stage`); `offload_optimizer` keeps the
+  optimizer state in host memory (needs a stage)."""
   _path = "parallel"
   zero_stage: int = _field(0, _one_of(0, 1, 2, 3))
   offload_optimizer: bool = False
@@ -557,6 +557,8 @@ class ParallelSection(_Section):
   allgather_bucket_size: int | None = _field(None, _ge(1))  # bytes (fp8jax.parallel.combine)
   tensor_parallel_size: int = _field(1, _ge(1))
   pipeline_parallel_size: int = _field(1, _ge(1))
+  # GPipe (k inputs kept per stage) or lockstep 1F1B (2P-1 kept, larger bubble)
+  pipeline_schedule: str = _field("gpipe", _one_of("gpipe", "1f1b"))
   device_map: dict | str | None = None  # kind -> throughput / profile: balanced microbatches
   fp8_capability: str = _field("per_kind", _one_of("per_kind", "uniform"))
   # Gradient reduction between data-parallel ranks: "fp8" (FP8 reduce-scatter in a shard_map
@@ -651,6 +653,7 @@ class Config(_Section):
     self._check_data_fits_model()
     self._check_offload()
     self._check_tensor_parallel()
+    self._check_pipeline()
     self._check_grad_comm()
     self._check_fused_optimizer()
     if self.train.batch_ramp is not None:
@@ -686,6 +689,33 @@ class Config(_Section):
     if self.parallel.device_map is not None:
       _fail(f"parallel.tensor_parallel_size={tp} with parallel.device_map is not supported yet "
             "(the balanced step replicates the weights in each group); drop one of them")
+
+  def _check_pipeline(self):
+    """Pipeline stages (``fp8jax.parallel.pipeline``): the reference families only, layers
+    and microbatches enough for the stages, and none of the features it does not run with."""
+    p, t = self.parallel, self.train
+    pp = p.pipeline_parallel_size
+    if pp == 1:
+      return
+    where = f"parallel.pipeline_parallel_size={pp}"
+    if self.model.builder is not None:
+      _fail(f"{where} with model.builder={self.model.builder!r} is not supported: the "
+            f"pipeline cuts the model into embedding, layer stack and head, which only the "
+            f"reference families ({', '.join(FAMILIES)}) expose; use pipeline_parallel_size 1")
+    model = self.model.model_config()
+    if model is not None and model.n_layers % pp:
+      _fail(f"{where} does not divide model.n_layers={model.n_layers}: every stage holds "
+            f"n_layers / pipeline_parallel_size consecutive layers; use a pipeline size that "
+            f"divides {model.n_layers}")
+    if t.microbatches < pp:
+      _fail(f"{where} needs train.microbatches >= {pp} (one per stage at least; more shrink "
+            f"the pipeline bubble (P-1)/(k+P-1)), got train.microbatches={t.microbatches}")
+    for key, value, ok in (("parallel.device_map", p.device_map, None),
+                           ("parallel.grad_comm", self.grad_comm(), "native"),
+                           ("train.batch_ramp", t.batch_ramp, None)):
+      if value != ok:
+        _fail(f"{where} with {key}={_short(value)} is not supported yet; use {key} "
+              f"{ok!r} or pipeline_parallel_size 1")
 
   def grad_comm(self) -> str:
     """How the run reduces gradients: "fp8" or "native". "auto" resolves to "native" (the
@@ -731,7 +761,8 @@ class Config(_Section):
     for key, value, ok in (("zero_stage", p.zero_stage, 0), ("offload_optimizer",
                             p.offload_optimizer, False), ("device_map", p.device_map, None),
                            ("grad_comm", self.grad_comm(), "native"),
-                           ("tensor_parallel_size", p.tensor_parallel_size, 1)):
+                           ("tensor_parallel_size", p.tensor_parallel_size, 1),
+                           ("pipeline_parallel_size", p.pipeline_parallel_size, 1)):
       if value != ok:
         _fail(f"train.fused_optimizer=True runs on unsharded arrays (one device); "
               f"parallel.{key}={value!r} is not allowed with it; use {ok!r} or "

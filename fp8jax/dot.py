@@ -323,7 +323,7 @@ def _fp8_matmul_bwd(cfg: _Config, res, cts):
   else:
     dw = _mm(qx, qg, (m_axis, m_axis), sx * sg, w_out, cfg.native, fast, cfg.w_sharding)
   if cfg.w_gather is not None:
-    dw = lax.with_sharding_constraint(dw, cfg.w_gather[0]).astype(cfg.w_dtype)
+    dw = fsdp.sum_into(dw, cfg.w_gather[0], cfg.w_dtype)
   if cfg.activation:  # through the activation, recomputed from its input (elementwise)
     dx = jax.vjp(lambda x: ct.activate(x, cfg.activation), x_pre)[1](dx)[0]
   new_meta = Fp8DotMeta(new_in, new_k, scaling.update_meta(og_meta, ag, r, r.bwd_format))
@@ -396,9 +396,10 @@ def _canonical_spec(spec: P, shape, perm, groups) -> P | None:
 def _weight_gather(shardings, rhs_shape, dimension_numbers, rperm, vma: frozenset, keep: bool):
   """(home, gathered, keep): shardings of the canonical weight ([B?, K, N]) for `shardings`
   of the rhs, or None when the canonical layout cannot express them."""
-  if vma:
+  if vma or (isinstance(shardings, (tuple, list))
+             and any(isinstance(s, fsdp.Local) for s in shardings)):
     raise ValueError("weight_shardings inside shard_map is not supported; gather the weight "
-                     "with the collectives of fp8jax.parallel.collectives there")
+                     "first there (fp8jax.fsdp.gather_tree)")
   if (not isinstance(shardings, (tuple, list)) or len(shardings) != 2
       or not all(isinstance(s, jax.sharding.NamedSharding) for s in shardings)):
     raise TypeError(f"weight_shardings must be a (home, gathered) pair of NamedShardings, got "

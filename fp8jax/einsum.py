@@ -9,6 +9,7 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
+from fp8jax import fsdp
 from fp8jax.dot import Fp8DotMeta, fp8_dot_general_chained
 from fp8jax.recipe import Recipe
 
@@ -138,13 +139,15 @@ def fp8_einsum(eqn: str, lhs: jax.Array, rhs: jax.Array, meta: Fp8DotMeta,
   """Two-operand einsum whose contraction is an FP8 GEMM; returns ``(out, meta_passthrough)``.
 
   Same contract as :func:`fp8jax.fp8_dot_general_chained` (`lhs` activations, `rhs` weights;
-  `weight_shardings` are `rhs`'s, dropped when the equation sums axes out of `rhs` first:
-  XLA then lays the summed weight out).
+  `weight_shardings` are `rhs`'s; when the equation sums axes out of `rhs` first, `rhs` is
+  gathered whole before the sum).
   """
   d = einsum_to_dot_general(eqn, jnp.shape(lhs), jnp.shape(rhs))
   if d.lhs_sum:
     lhs = jnp.sum(lhs, axis=d.lhs_sum)
-  if d.rhs_sum:
+  if d.rhs_sum:  # gathered whole first, then summed
+    if weight_shardings is not None:
+      rhs = fsdp.gather_array(rhs, *weight_shardings)
     rhs = jnp.sum(rhs, axis=d.rhs_sum)
     weight_shardings = None
   y, meta = fp8_dot_general_chained(lhs, rhs, d.dimension_numbers, meta, recipe,

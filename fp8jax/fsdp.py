@@ -27,6 +27,13 @@ parameter where the layer runs (inside the layer loop, where the next layer's ga
 overlap this layer's compute) and a reduce-scatter per gradient in the backward. Payloads
 narrower than f32 cross as their raw bits (unsigned ints of their width) between
 optimization barriers: XLA may otherwise widen an FP8 all-gather or move a convert across it.
+
+Inside ``jax.shard_map`` manual over the ZeRO axes (the per-group loop: each data-parallel
+group computes its own gradient), a :class:`WeightGather` with a ``local`` table does the same
+with explicit collectives: parameters arrive as this device's shard, the gather is a
+``lax.all_gather`` of the raw bits and each gradient is reduce-scattered where it is made
+(``lax.psum_scatter`` in f32, or the ``reduce`` function it is given, e.g. an FP8
+reduce-scatter), so the loop accumulates only shards. The layouts are :class:`Local` values.
 """
 from __future__ import annotations
 
@@ -45,6 +52,28 @@ from fp8jax.params import is_gemm_weight, leaf_name
 
 # (key path as jax.tree_util.keystr, shape) -> (home spec, gathered spec)
 Specs = Callable[[str, tuple], tuple[P, P]]
+# (gradient f32 local, axes, dim) -> its sum over `axes`, this device's chunk along `dim`
+Reduce = Callable[[Any, tuple, int], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Local:
+  """A parameter's layout inside ``jax.shard_map`` manual over the ZeRO axes.
+
+  Attributes:
+    dim: the dimension split over the ZeRO axes (of the value as its user sees it).
+    axes: the ZeRO mesh axes (manual in the enclosing ``shard_map``).
+    gathered: values in this layout are whole (all-gathered); else this device's shard.
+    reduce: how a gradient is summed into the shard layout (:data:`Reduce`, e.g. an FP8
+      reduce-scatter; module-level functions only: the layout is hashed), or None: an f32
+      ``lax.psum_scatter``.
+  """
+
+  dim: int
+  axes: tuple[str, ...]
+  gathered: bool = False
+  reduce: Reduce | None = None
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,20 +90,89 @@ class WeightGather:
     keep_gathered: GEMMs keep their gathered weight for their backward instead of the shard
       (which the backward gathers again): for layers under remat, whose forward runs again
       in the backward and gathers it there anyway.
+    local: inside ``shard_map`` manual over the ZeRO axes: the parameters' local layouts,
+      the first result of :func:`local_table`; None under ``jax.jit`` (global layouts).
+    reduce: with `local`, how gradients are summed into their shards (:class:`Local`).
   """
 
   mesh: Mesh
   specs: Specs
   payload_dtype: Any = None
   keep_gathered: bool = False
+  local: Any = None
+  reduce: Reduce | None = None
 
-  def shardings(self, path: str, shape) -> tuple[NamedSharding, NamedSharding] | None:
-    """(home, gathered) NamedShardings of the parameter at `path` with `shape`; None when it
-    is not split over the ZeRO axes (nothing to gather)."""
+  def shardings(self, path: str, shape):
+    """(home, gathered) layouts of the parameter at `path` with `shape`: NamedShardings, or
+    :class:`Local` pairs inside ``shard_map`` (`local` given); None when it is not split
+    over the ZeRO axes (nothing to gather)."""
+    if self.local is not None:
+      return self._local(path, tuple(shape))
     home, full = self.specs(path, tuple(shape))
     if home == full:
       return None
     return NamedSharding(self.mesh, home), NamedSharding(self.mesh, full)
+
+  def _local(self, path: str, shape):
+    """The Local pair of a parameter used at `path` (its key path, or the end of it: modules
+    that gather their own variables see paths relative to themselves) with local `shape`
+    (its shard, or one layer's slice of it)."""
+    found = set()
+    path = path.removeprefix("['params']")  # (Flax's map_variables sees the collection)
+    for key, (local_shape, entry) in self.local:
+      if not (key == path or key.endswith(path)):
+        continue
+      if tuple(local_shape) == shape:
+        found.add(entry)
+      elif tuple(local_shape[1:]) == shape and (entry is None or entry[0] > 0):  # a layer
+        found.add(None if entry is None else (entry[0] - 1, entry[1]))  # stack's slice
+    if len(found) != 1:
+      what = "no parameter" if not found else f"parameters laid out differently ({found})"
+      raise ValueError(f"fsdp: the model uses a parameter at {path} with shape {shape}, and "
+                       f"the step's parameter tree has {what} there; a model gathered inside "
+                       "shard_map must use its parameters under their own key paths")
+    entry = found.pop()
+    if entry is None:  # passed in whole
+      return None
+    home = Local(entry[0], entry[1], False, self.reduce)
+    return home, dataclasses.replace(home, gathered=True)
+
+
+def local_table(params, specs, axes: tuple[str, ...], sizes, stacks: tuple[str, ...] = ()):
+  """The ``local`` table of a :class:`WeightGather` for `params` (global arrays or shapes)
+  laid out by `specs` (a tree of PartitionSpecs like `params`) inside ``shard_map`` over the
+  ZeRO `axes` of sizes `sizes` (mesh axis name -> size); `stacks`: top-level keys of
+  `params` that hold layer stacks (a scan slices their leaves along dimension 0).
+
+  Returns (table, in_specs): table a tuple of (keystr path, (local shape, (split dim, axes)
+  or None for a leaf passed in whole)); in_specs the tree of ``shard_map`` in_specs: the ZeRO-split
+  dimension of each leaf gathered at use, P() (replicated) for the rest. A leaf of a layer
+  stack split along dimension 0 (the layers) is passed in whole; so is a leaf split over
+  other axes or over more than one dimension.
+  """
+  table, in_specs = {}, []
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  spec_leaves = treedef.flatten_up_to(specs)
+  for (path, x), spec in zip(flat, spec_leaves):
+    shape = tuple(np.shape(x))
+    entries = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
+    split = [(i, _axes_of(e)) for i, e in enumerate(entries) if e is not None]
+    key = jax.tree_util.keystr(path)
+    stacked = bool(path) and getattr(path[0], "key", None) in stacks
+    if len(split) == 1 and not (stacked and split[0][0] == 0) and set(split[0][1]) == set(axes):
+      dim, on = split[0]
+      local = list(shape)
+      local[dim] //= int(np.prod([sizes[a] for a in on]))
+      table[key] = (tuple(local), (dim, on))
+      in_specs.append(P(*entries))
+    else:
+      table[key] = (shape, None)
+      in_specs.append(P())
+  return tuple(table.items()), jax.tree.unflatten(treedef, in_specs)
+
+
+def _axes_of(entry) -> tuple[str, ...]:
+  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
 
 _ACTIVE: contextvars.ContextVar[WeightGather | None] = contextvars.ContextVar(
@@ -111,17 +209,32 @@ def constrain_bits(x, sharding: NamedSharding, *after):
 
   `after`: values the move waits for (e.g. a backward's cotangent): it then cannot be merged
   with an identical earlier move, nor hoisted before them.
+  `sharding` may be a :class:`Local` layout (inside ``shard_map``): the shard layout leaves
+  `x` as it is, the gathered one all-gathers it along the split dimension.
   """
+  if isinstance(sharding, Local) and not sharding.gathered:
+    return x  # this device's shard is where it lives
   bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * jnp.dtype(x.dtype).itemsize}"))
   bits = jax.lax.optimization_barrier((bits, *after))[0] if after else \
       jax.lax.optimization_barrier(bits)
-  bits = jax.lax.optimization_barrier(jax.lax.with_sharding_constraint(bits, sharding))
+  if isinstance(sharding, Local):
+    bits = jax.lax.all_gather(bits, sharding.axes, axis=sharding.dim, tiled=True)
+  else:
+    bits = jax.lax.with_sharding_constraint(bits, sharding)
+  bits = jax.lax.optimization_barrier(bits)
   return jax.lax.bitcast_convert_type(bits, x.dtype)
 
 
-def _sum_into(g, home: NamedSharding, dtype):
-  """Cotangent `g` summed over the devices into `home` in f32 (or wider), cast to `dtype`."""
+def sum_into(g, home, dtype):
+  """Cotangent `g` summed over the devices into `home` (a NamedSharding, or a :class:`Local`
+  shard layout: its ``reduce`` or an f32 ``psum_scatter``) in f32 (or wider), cast to
+  `dtype`."""
   wide = jnp.promote_types(dtype, jnp.float32)
+  if isinstance(home, Local):
+    if home.reduce is not None:
+      return home.reduce(g.astype(jnp.float32), home.axes, home.dim).astype(dtype)
+    return jax.lax.psum_scatter(g.astype(wide), home.axes, scatter_dimension=home.dim,
+                                tiled=True).astype(dtype)
   return jax.lax.with_sharding_constraint(g.astype(wide), home).astype(dtype)
 
 
@@ -142,14 +255,15 @@ def gather_array(x, home: NamedSharding, full: NamedSharding, *, dtype=None,
       return move(x)
     if not scaled:
       return move(x.astype(dtype))
-    q = quantize_scaled(x, dtype, power_of_two=True)
+    agree = home.axes if isinstance(home, Local) else ()  # one scale for every shard
+    q = quantize_scaled(x, dtype, power_of_two=True, axis_names=agree)
     return (move(q.data).astype(jnp.float32) * q.scale).astype(x.dtype)
 
   @jax.custom_vjp
   def gather(x):
     return value(x)
 
-  gather.defvjp(lambda x: (value(x), None), lambda _, g: (_sum_into(g, home, x.dtype),))
+  gather.defvjp(lambda x: (value(x), None), lambda _, g: (sum_into(g, home, x.dtype),))
   return gather(x)
 
 
@@ -174,7 +288,7 @@ def gathered_dot_general(lhs, rhs, dimension_numbers, home: NamedSharding,
     if not keep_gathered:
       w = constrain_bits(w, full, g)
     dlhs, dw = jax.vjp(dot, lhs, w)[1](g)
-    return dlhs, _sum_into(dw, home, w.dtype)
+    return dlhs, sum_into(dw, home, w.dtype)
 
   gemm = jax.custom_vjp(lambda lhs, rhs: fwd(lhs, rhs)[0])
   gemm.defvjp(fwd, bwd)
@@ -194,11 +308,14 @@ def gather_tree(params, gather: WeightGather | None, *, matrix_dtype=None,
     matrix_dtype: the dtype the model computes its GEMMs in: GEMM weights (kernels,
       embeddings) cross and arrive in it (the model promotes them to it anyway); None: they
       cross like the other leaves.
-    kernels: gather kernels here too (modules whose GEMM does not gather its weight).
+    kernels: gather kernels here too (modules whose GEMM does not gather its weight; always
+      inside ``shard_map``, where a kernel arrives as its shard, which a Flax module would
+      refuse for its shape: it crosses in `matrix_dtype` and its GEMM casts it).
     prefix: key path (keystr) of `params` in the whole parameter tree, for `gather.specs`.
   """
   if gather is None:
     return params
+  kernels = kernels or gather.local is not None  # Flax modules check their kernels' shapes
 
   def one(path, x):
     if not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):

@@ -90,6 +90,7 @@ class GpuSpec(NamedTuple):
   nvlink_bw: float         # intra-node bytes/s per GPU per direction (PCIe where no NVLink)
 
 
+@functools.lru_cache(maxsize=256)
 def kind_name(device_kind: str) -> str | None:
   """The canonical name (a key of :data:`PEAK_FLOPS` or :data:`MEMORY`) of `device_kind`, a
   jax ``device_kind`` or a canonical name in any case; None when it is not a known GPU."""

@@ -31,7 +31,7 @@ def one_run(config: str, level: str, stage: int, microbatch: int, overrides: lis
   from benchmarks.comm.zero_step import run_level
   from fp8jax.config import load_config
   from fp8jax import hardware
-  from fp8jax.cli import model_shape
+  from fp8jax.train.memory import model_shape
   from fp8jax.parallel import cost_model as cm
   n = len(jax.devices())
   result = run_level(config, level, list(overrides) + [

@@ -111,8 +111,19 @@ def measure(config: str | None, runs, overrides=(), iters: int = ITERS,
   where = os.path.basename(config) if config else "the built-in defaults"
   table = report.Table("step", f"train step on {where}, median of {iters} steps", COLUMNS)
   for i, (label, level, own) in enumerate(runs):
-    values = time_run(config, level, list(overrides) + own, iters, log=lambda m: log(
-        f"step {label}: {m}"))
+    try:
+      values = time_run(config, level, list(overrides) + own, iters, log=lambda m: log(
+          f"step {label}: {m}"))
+    except jax.errors.JaxRuntimeError as e:
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      gc.collect()
+      if i == 0:
+        raise ValueError(f"bench step: the baseline run {label!r} ran out of device memory; "
+                         "choose a baseline that fits (a smaller batch or more remat)") from None
+      table.notes.append(f"{label}: out of device memory ({_first_line(e)})")
+      log(f"step {label}: out of device memory")
+      continue
     gc.collect()  # the run's Trainer and state are gone before the next run starts
     table.rows.append(report.Row(label, values, baseline=i == 0))
     if values.pop("skipped"):
@@ -125,6 +136,12 @@ def measure(config: str | None, runs, overrides=(), iters: int = ITERS,
   table.notes.append("each run with its own overrides: " + "; ".join(
       f"{label} = {level}{''.join(',' + o for o in own)}" for label, level, own in runs))
   return table
+
+
+def _first_line(e: Exception) -> str:
+  """The first line of an error's message, without XLA's status prefix, shortened."""
+  line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+  return line.removeprefix("RESOURCE_EXHAUSTED: ")[:120]
 
 
 def time_run(config: str | None, level: str, overrides, iters: int, log=print) -> dict:

@@ -5,7 +5,8 @@ Every projection is an ``nn.Dense`` / ``nn.DenseGeneral`` whose GEMM is
 :class:`fp8jax.linen.Fp8DotGeneral` when a recipe is given; embeddings, norms, softmax and the
 activation x activation attention matmuls stay in the compute dtype (BF16) / f32, as MS-AMP
 does. :class:`Decoder` is the whole LM: embedding, the layers under ``nn.scan`` (or unrolled
-over the scan's stacked variables), the final norm and the LM head.
+over the scan's stacked variables), the final norm and the LM head; :class:`DecoderParts`
+(``Decoder.parts()``) is the same LM cut into those pieces for pipeline parallelism.
 
 A family's config is a frozen dataclass with (as fields or properties): vocab_size, d_model,
 n_layers, n_heads, n_kv_heads (dividing n_heads), head_dim, d_ff, max_seq_len, mlp ("gelu" |
@@ -31,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import flax.linen as nn
 import jax
@@ -227,15 +228,21 @@ def gathered(cls, config, methods: tuple[str, ...] = ("__call__",)):
   return nn.map_variables(cls, "params", trans_in_fn=trans, methods=list(methods))
 
 
-def norm(config, name: str, gather: bool = False):
-  """RMSNorm / LayerNorm (``config.norm``, epsilon ``config.norm_eps``) computed in f32:
-  x[..., D] -> [..., D] in the compute dtype. `gather`: its gain is gathered at use
-  (:func:`gathered`; inside a layer the layer gathers it)."""
+def norm_module(config, gather: bool = False, **kwargs) -> nn.Module:
+  """The RMSNorm / LayerNorm module (``config.norm``, epsilon ``config.norm_eps``) computing
+  in f32; `gather`: its gain is gathered at use (:func:`gathered`)."""
   cls = nn.RMSNorm if config.norm == "rmsnorm" else nn.LayerNorm
   if gather:
     cls = gathered(cls, config)
-  layer = cls(epsilon=config.norm_eps, dtype=jnp.float32,
-              param_dtype=jnp.dtype(config.param_dtype), name=name)
+  return cls(epsilon=config.norm_eps, dtype=jnp.float32,
+             param_dtype=jnp.dtype(config.param_dtype), **kwargs)
+
+
+def norm(config, name: str, gather: bool = False):
+  """RMSNorm / LayerNorm (:func:`norm_module`) computed in f32: x[..., D] -> [..., D] in the
+  compute dtype. `gather`: its gain is gathered at use (:func:`gathered`; inside a layer the
+  layer gathers it)."""
+  layer = norm_module(config, gather, name=name)
   return lambda x: layer(x.astype(jnp.float32)).astype(jnp.dtype(config.dtype))
 
 
@@ -374,6 +381,10 @@ class Decoder(nn.Module):
       (level O0).
   """
 
+  # Under an active fp8jax.fsdp.WeightGather (ZeRO-3) it gathers every sharded parameter
+  # where it uses it (fp8jax.train.step.build_step(gathers_at_use=...)).
+  gathers_at_use: ClassVar[bool] = True
+  layer_stacks: ClassVar[tuple[str, ...]] = ("layers",)  # scanned: stacked along dimension 0
   config: Any
   recipe: Recipe | None = None
 
@@ -385,10 +396,7 @@ class Decoder(nn.Module):
   def __call__(self, tokens, deterministic: bool = True):
     cfg = self.config
     check_tokens(tokens, cfg, type(self).__name__)
-    dtype = jnp.dtype(cfg.dtype)
-    embed = gathered(Embed, cfg, ("__call__", "attend"))(
-        cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.dtype(cfg.param_dtype),
-        embedding_init=nn.initializers.normal(0.02), name="embed")
+    embed = gathered(Embed, cfg, ("__call__", "attend"))(**embed_kwargs(cfg), name="embed")
     x = nn.Dropout(cfg.dropout_rate, deterministic=deterministic)(embed(tokens))
     x = self._layer_stack(x, self.rope(tokens.shape[1]), deterministic)
     x = norm(cfg, "norm_final", gather=True)(x)
@@ -449,9 +457,88 @@ class Decoder(nn.Module):
   def _head(self, x):
     """LM head x[B, T, D] -> f32[B, T, V] (the GEMM writes f32 directly)."""
     cfg = self.config
-    kw = dense_kwargs(cfg, None, cfg.d_model ** -0.5)
-    kw["dot_general_cls"] = f32_out_gemm(self.recipe)
-    return gathered(nn.Dense, cfg)(cfg.vocab_size, name="head", **kw)(x).astype(jnp.float32)
+    return gathered(nn.Dense, cfg)(**head_kwargs(cfg, self.recipe), name="head")(x).astype(
+        jnp.float32)
+
+  def parts(self) -> "DecoderParts":
+    """This decoder cut into embedding, layer stack and head (:class:`DecoderParts`)."""
+    return DecoderParts(self)
+
+
+def embed_kwargs(config) -> dict:
+  """The token embedding's :class:`Embed` arguments."""
+  return dict(num_embeddings=config.vocab_size, features=config.d_model,
+              dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype),
+              embedding_init=nn.initializers.normal(0.02))
+
+
+def head_kwargs(config, recipe: Recipe | None) -> dict:
+  """The untied LM head's ``nn.Dense`` arguments: its GEMM (FP8 with `recipe`) writes f32."""
+  kw = dense_kwargs(config, None, config.d_model ** -0.5)
+  kw["dot_general_cls"] = f32_out_gemm(recipe)
+  return dict(features=config.vocab_size, **kw)
+
+
+def _sub(variables, name: str) -> dict:
+  """{collection: its `name` subtree} over the collections of `variables` that have one."""
+  return {c: v[name] for c, v in variables.items() if isinstance(v, Mapping) and name in v}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderParts:
+  """A :class:`Decoder` cut into embedding, layer stack and head, applied to explicit
+  variables with the modules and math of :meth:`Decoder.__call__` (dropout off, no ZeRO-3
+  gather at use): ``logits(shared, layers(stacked, embed(shared, tokens)))`` is the model's
+  forward. For pipeline parallelism (``fp8jax.parallel.pipeline``).
+
+  Variables (the model's ``{collection: tree}``) split into ``stacked`` ({collection: its
+  "layers" subtree}: leaves [L', ...] for any L' consecutive layers) and ``shared``
+  ({collection: everything else}).
+  """
+
+  model: Decoder
+
+  def split(self, variables) -> tuple[dict, dict]:
+    """(stacked, shared) of `variables`."""
+    stacked = _sub(variables, "layers")
+    shared = {c: {k: x for k, x in v.items() if k != "layers"} for c, v in variables.items()}
+    return stacked, shared
+
+  def merge(self, stacked, shared) -> dict:
+    """The variables (or gradients) tree of a (stacked, shared) pair: :meth:`split`'s
+    inverse."""
+    return {c: {**v, **({"layers": stacked[c]} if c in stacked else {})}
+            for c, v in shared.items()}
+
+  def embed(self, shared, tokens) -> jax.Array:
+    """tokens int[B, T] -> x[B, T, D] in the compute dtype."""
+    check_tokens(tokens, self.model.config, type(self.model).__name__)
+    return Embed(**embed_kwargs(self.model.config)).apply(_sub(shared, "embed"), tokens)
+
+  def layers(self, stacked, x) -> jax.Array:
+    """x[B, T, D] through the stacked layers' blocks in order (a scan over their leading
+    axis; each block under ``jax.checkpoint`` with the config's remat policy when remat is
+    on)."""
+    cfg = self.model.config
+    rope = self.model.rope(x.shape[1])
+    block = Block(cfg, self.model.recipe, True, parent=None)
+
+    def layer(x, variables):
+      return block.apply(variables, x, rope)[0], None
+    if cfg.remat:
+      layer = jax.checkpoint(layer, policy=remat_policy(cfg))
+    return lax.scan(layer, x, stacked)[0]
+
+  def logits(self, shared, x) -> jax.Array:
+    """x[B, T, D] -> final norm -> LM head (the embedding when tied) -> f32[B, T, V]."""
+    cfg = self.model.config
+    x = norm_module(cfg).apply(_sub(shared, "norm_final"), x.astype(jnp.float32))
+    x = x.astype(jnp.dtype(cfg.dtype))
+    if cfg.tie_embeddings:
+      return Embed(**embed_kwargs(cfg)).apply(_sub(shared, "embed"), x,
+                                              method="attend").astype(jnp.float32)
+    head = nn.Dense(**head_kwargs(cfg, self.model.recipe))
+    return head.apply(_sub(shared, "head"), x).astype(jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

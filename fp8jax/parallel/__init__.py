@@ -1,12 +1,14 @@
 """Sharded and multi-process training: the device mesh, ZeRO stages 1-3 with optimizer
 offload, and ``initialize()`` for multi-host runs.
 
-* :mod:`fp8jax.parallel.mesh`: :func:`make_mesh` (axes "data", "fsdp", "tensor"; -1 fills),
-  :func:`mesh_from_config`, :func:`device_kinds`, :func:`describe`.
+* :mod:`fp8jax.parallel.mesh`: :func:`make_mesh` (axes "data", "fsdp", "tensor", led by
+  "pipe" with pipeline stages; -1 fills), :func:`mesh_from_config`, :func:`pipe_size`,
+  :func:`device_kinds`, :func:`describe`.
+* :mod:`fp8jax.parallel.pipeline`: pipeline parallelism (the GPipe schedule over "pipe",
+  generic over the stage function; the stacked layers split over it).
 * :mod:`fp8jax.parallel.zero`: :func:`state_shardings`, :func:`plan` -> :class:`ZeroPlan`
   (where the state lives, how weights are gathered and gradients laid out: stage 3 per use,
-  ``ZeroPlan.weight_gather`` and :mod:`fp8jax.fsdp`), :func:`gather_params` (the whole
-  model at once, for the per-group loop), :func:`reduce_gradients`.
+  ``ZeroPlan.weight_gather`` and :mod:`fp8jax.fsdp`), :func:`reduce_gradients`.
 * :mod:`fp8jax.parallel.layout`: batch placement and data-parallel groups.
 * :mod:`fp8jax.parallel.grad_comm`: gradient sums over groups inside ``shard_map`` (f32 or
   FP8 reduce-scatter with its scaling state).
@@ -17,20 +19,22 @@ offload, and ``initialize()`` for multi-host runs.
 * Heterogeneous meshes: :mod:`~fp8jax.parallel.capability` (FP8 native/emulated per process,
   agreed), :mod:`~fp8jax.parallel.balance` (microbatch counts per group),
   :mod:`~fp8jax.parallel.device_map` and :mod:`~fp8jax.parallel.profile` (throughputs),
-  :mod:`~fp8jax.parallel.cost_model` (``fp8jax simulate``).
+  :mod:`~fp8jax.parallel.cost_model` (``fp8jax simulate``: step time and per-GPU memory).
+* :mod:`fp8jax.parallel.sizing`: the fastest ZeRO stage x tensor x pipeline layout of N GPUs
+  that fits (``fp8jax simulate --table``).
 """
 from fp8jax.parallel.distributed import initialize
 from fp8jax.parallel import combine
 from fp8jax.parallel.layout import batch_sharding, put_global
-from fp8jax.parallel.mesh import AXES, BATCH_AXES, DATA, FSDP, TENSOR, describe, device_kinds, \
-    make_mesh, mesh_from_config, mesh_shape
-from fp8jax.parallel.zero import STAGES, ZERO_AXES, ZeroPlan, device_bytes, gather_params, \
-    plan, reduce_gradients, shard_spec, state_shardings, to_host
+from fp8jax.parallel.mesh import AXES, BATCH_AXES, DATA, FSDP, PIPE, TENSOR, describe, \
+    device_kinds, make_mesh, mesh_from_config, mesh_shape, pipe_size
+from fp8jax.parallel.zero import STAGES, ZERO_AXES, ZeroPlan, device_bytes, plan, \
+    reduce_gradients, shard_spec, state_shardings, to_host
 
 __all__ = [
     "combine", "initialize",
-    "AXES", "BATCH_AXES", "DATA", "FSDP", "TENSOR", "describe", "device_kinds", "make_mesh",
-    "mesh_from_config", "mesh_shape",
-    "STAGES", "ZERO_AXES", "ZeroPlan", "batch_sharding", "device_bytes", "gather_params",
+    "AXES", "BATCH_AXES", "DATA", "FSDP", "PIPE", "TENSOR", "describe", "device_kinds",
+    "make_mesh", "mesh_from_config", "mesh_shape", "pipe_size",
+    "STAGES", "ZERO_AXES", "ZeroPlan", "batch_sharding", "device_bytes",
     "plan", "put_global", "reduce_gradients", "shard_spec", "state_shardings", "to_host",
 ]

@@ -10,10 +10,11 @@ split (:mod:`fp8jax.parallel.balance`) gives faster kinds more, and may leave sl
 
 with compute from FLOPs and an MFU calibrated on fp8jax runs (or from measured profiles),
 communication from ring-collective bytes over the slowest link, the update from HBM bytes.
-Memory per GPU decides the largest microbatch and whether a kind can run the level at all.
+Memory per GPU (:func:`device_memory`, the package's one memory model of a train step)
+decides the largest microbatch and whether a kind can run the level at all.
 Pure Python: no devices are needed. Every modelling constant is a field of
 :class:`Assumptions`; GPU facts come from :mod:`fp8jax.hardware`, the model's from a
-:class:`ModelShape` (``fp8jax.cli.model_shape`` builds one from a model config).
+:class:`ModelShape` (``fp8jax.train.memory.model_shape`` builds one from a model config).
 """
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ PROFILE_FORMAT = profile_lib.FORMAT
 
 # ----------------------------------------------------------------------------- model
 
+REMAT_POLICIES = ("full", "save_gemm_outputs", "save_gemm_io")
+ATTENTION_IMPLS = ("cudnn", "xla")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
   """The facts of a decoder-only transformer the cost model reads, as plain numbers.
@@ -51,6 +56,16 @@ class ModelShape:
     flops_per_token_fixed, flops_per_position: training FLOPs (forward + backward) per token
       are ``flops_per_token_fixed + flops_per_position * seq_len``.
     remat: layers recomputed in the backward pass (only their inputs are saved).
+    layer_kernel_params: GEMM kernel parameters of one layer (0: ``kernel_params /
+      n_layers``, which counts an untied LM head into every layer).
+    embedding_params: the token embedding's parameters (0: ``vocab_size * d_model``).
+    gated_mlp: SwiGLU-style MLP (gate and up projections: 2 x d_ff outputs per token).
+    remat_policy: what remat keeps ("full", "save_gemm_outputs", "save_gemm_io"; read only
+      with `remat`).
+    compute_bytes: bytes per element of the compute dtype (BF16: 2, f32: 4).
+    n_heads: attention (query) heads; needed with ``attention_impl="xla"``.
+    attention_impl: "cudnn" (flash attention: no T^2 term; ``save_gemm_outputs`` also keeps
+      its residuals) or "xla" (one layer's f32 scores and probabilities at a time).
   """
 
   n_layers: int
@@ -63,11 +78,62 @@ class ModelShape:
   flops_per_token_fixed: float
   flops_per_position: float
   remat: bool
+  layer_kernel_params: int = 0
+  embedding_params: int = 0
+  gated_mlp: bool = False
+  remat_policy: str = "full"
+  compute_bytes: int = 2
+  n_heads: int = 0
+  attention_impl: str = "cudnn"
+
+  def __post_init__(self):
+    if self.remat_policy not in REMAT_POLICIES:
+      raise ValueError(f"ModelShape.remat_policy={self.remat_policy!r} is not allowed; use one "
+                       f"of {list(REMAT_POLICIES)}")
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"ModelShape.attention_impl={self.attention_impl!r} is not allowed; use "
+                       f"one of {list(ATTENTION_IMPLS)}")
+    if self.attention_impl == "xla" and (isinstance(self.n_heads, bool) or not isinstance(
+        self.n_heads, int) or self.n_heads < 1):
+      raise ValueError(f"ModelShape.n_heads={self.n_heads!r} is not allowed with "
+                       "attention_impl='xla' (its scores are n_heads x T^2 per sequence); use "
+                       "an integer >= 1")
+    for name in ("n_layers", "d_model", "d_ff", "vocab_size", "compute_bytes"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"ModelShape.{name}={value!r} is not allowed; use an integer >= 1")
 
   @property
   def params(self) -> int:
     """All parameters."""
     return self.kernel_params + self.other_params
+
+  @property
+  def layer_kernels(self) -> int:
+    """GEMM kernel parameters of one layer."""
+    return self.layer_kernel_params or self.kernel_params // self.n_layers
+
+  @property
+  def head_kernels(self) -> int:
+    """GEMM kernel parameters outside the layers (an untied LM head; 0 when tied)."""
+    return max(self.kernel_params - self.n_layers * self.layer_kernels, 0)
+
+  @property
+  def largest_kernel(self) -> int:
+    """Parameters of a layer's largest GEMM kernel: d x max(3 d, F'), F' the MLP's output
+    width (2 d_ff when gated: the fused gate and up projection)."""
+    wide = 2 * self.d_ff if self.gated_mlp else self.d_ff
+    return self.d_model * max(3 * self.d_model, wide)
+
+  @property
+  def embedding(self) -> int:
+    """The token embedding's parameters."""
+    return self.embedding_params or self.vocab_size * self.d_model
+
+  @property
+  def layer_others(self) -> float:
+    """Non-kernel parameters of one layer (norms), the final norm spread over the layers."""
+    return max(self.other_params - self.embedding, 0) / self.n_layers
 
   def flops_per_token(self, seq_len: int) -> float:
     """Training FLOPs per token at sequence length `seq_len`."""
@@ -164,9 +230,27 @@ class Assumptions(NamedTuple):
   overlap: float = 0.0
   # Memory kept free for workspaces, fragmentation and the runtime: fraction of HBM.
   workspace_reserve: float = 0.10
-  # At O2/O3 a BF16 copy of the FP16 master weights for the GEMM casts and non-FP8 ops,
-  # bytes/param, counted whole on every GPU (conservative: XLA may fuse it per layer).
+  # At O2/O3 the step decodes the FP16 master weights to the compute dtype once (BF16, bytes
+  # per parameter; fp8jax.train.step matrix_dtype): whole below ZeRO-3, the shards at 3. (The
+  # per-group step decodes to f32: device_memory counts 4 there.)
   fp8_working_copy_bytes: float = 2.0
+  # Temporaries of the optimizer update, bytes per parameter it updates (the GPU's shard from
+  # ZeRO stage 1). O2/O3 (the composed FP16-master update, which every sharded run takes):
+  # 3 GiB for 2^30 parameters on H200 (benchmarks/RESULTS.md "Optimizer update"); O0/O1
+  # (optax adamw): 0 there. XLA's CPU backend keeps ~8 (tests/integration/test_simulate.py).
+  update_temp_bytes: float = 3.0
+  update_temp_bytes_f32: float = 0.0
+  # An all-reduce of the gradients (ZeRO 0/1 over several GPUs) writes them to a second
+  # buffer: bytes per parameter (f32). Fits the H200 ZeRO-1 peaks of the 7B layer shape on
+  # 2 and 4 GPUs (benchmarks/RESULTS.md "Scaling"); XLA's CPU backend reduces in place (0).
+  all_reduce_copy_bytes: float = 4.0
+  # ZeRO-3 gathers each layer's weights where the layer runs (fp8jax.fsdp): this many layers'
+  # gathered weights are alive at once (the running layer and the next one's gather, which
+  # XLA may start early; tests/integration/test_fsdp.py bounds the peak by 2).
+  layers_in_flight: float = 2.0
+  # Kinds without FP8 tensor cores multiply an FP8 weight after widening it: bytes per
+  # parameter of one layer's widened weights (BF16 on an A100; XLA's CPU backend: f32, 4).
+  emulated_weight_bytes: float = 2.0
   # The model has no per-microbatch overhead (MFU does not depend on the microbatch), so it
   # would pick tiny microbatches for finer balancing: take the largest microbatch whose step
   # is within this fraction of the fastest one.
@@ -192,6 +276,11 @@ class Assumptions(NamedTuple):
     if not 0 <= self.microbatch_tolerance < math.inf:
       raise ValueError(f"Assumptions.microbatch_tolerance={self.microbatch_tolerance!r} is "
                        "not allowed; use a fraction >= 0")
+    for name in ("fp8_working_copy_bytes", "update_temp_bytes", "update_temp_bytes_f32",
+                 "all_reduce_copy_bytes", "layers_in_flight", "emulated_weight_bytes"):
+      value = getattr(self, name)
+      if not (isinstance(value, (int, float)) and 0 <= value < math.inf):
+        raise ValueError(f"Assumptions.{name}={value!r} is not allowed; use a number >= 0")
     if not 0 <= self.workspace_reserve < 1:
       raise ValueError(f"Assumptions.workspace_reserve={self.workspace_reserve!r} is not "
                        "allowed; use a fraction in [0, 1)")
@@ -217,6 +306,10 @@ class Assumptions(NamedTuple):
         f"collectives: ring, {a.comm_efficiency:.2f} of link bandwidth, overlap "
         f"{a.overlap:.2f}; memory reserve {a.workspace_reserve:.0%}; largest microbatch within "
         f"{a.microbatch_tolerance:.0%} of the fastest step",
+        f"memory: optimizer update temporaries {a.update_temp_bytes:g} B/param (O2/O3) and "
+        f"{a.update_temp_bytes_f32:g} (O0/O1) of the updated shard (H200 measurements), a "
+        f"gradient all-reduce's output {a.all_reduce_copy_bytes:g} B/param (ZeRO 0/1); "
+        f"ZeRO-3 holds {a.layers_in_flight:g} layers' gathered weights at once",
     ]
 
 
@@ -247,17 +340,24 @@ def _check_stage(level: str, stage: int) -> int:
 
 
 def state_bytes_per_param(level: str) -> dict[str, float]:
-  """Persistent bytes per parameter by role: master, grads (accumulator), m, v."""
+  """Bytes per parameter by role: master (stored weights), grads (the step's gradients and
+  accumulators: f32 at every level, fp8jax.train.step sums, reduces and clips in f32), m, v
+  (Adam moments)."""
   lv = _level(level)
-  if not lv.scaled_master:
-    return {"master": 4, "grads": 4, "m": 4, "v": 4}  # f32 everything
-  return {"master": _bytes(lv.master_dtype), "grads": 1, "m": _bytes(lv.mu_dtype),
-          "v": _bytes(lv.nu_dtype)}  # FP16 master, FP8 grads, E4M3 m, FP16 v
+  return {"master": _bytes(lv.master_dtype), "grads": 4, "m": _bytes(lv.mu_dtype),
+          "v": _bytes(lv.nu_dtype)}
 
 
-def grad_comm_bytes(level: str) -> int:
-  """Bytes per parameter of gradients on the wire: BF16 at O0, E4M3 at O1..O3."""
-  return 1 if _level(level).fp8_gemms else 2
+GRAD_COMMS = ("native", "fp8")
+
+
+def grad_comm_bytes(level: str, grad_comm: str = "native") -> int:
+  """Bytes per parameter of gradients on the wire: f32 (4) with native reductions (every
+  level: the step reduces its f32 gradients), E4M3 (1) with ``parallel.grad_comm: fp8`` at
+  O1..O3."""
+  if grad_comm not in GRAD_COMMS:
+    raise ValueError(f"grad_comm={grad_comm!r} is not allowed; use one of {list(GRAD_COMMS)}")
+  return 1 if grad_comm == "fp8" and _level(level).fp8_gemms else 4
 
 
 def master_bytes(level: str) -> int:
@@ -265,12 +365,18 @@ def master_bytes(level: str) -> int:
   return _bytes(_level(level).master_dtype)
 
 
-def gather_bytes(level: str, kernel_params: int, other_params: int) -> float:
-  """Bytes of one ZeRO-3 weight all-gather (whole model): FP8 GEMM kernels travel as E4M3
-  at O1..O3 (1 byte), everything else as stored (fp8jax.parallel.zero)."""
-  if not _level(level).fp8_gemms:
-    return 4.0 * (kernel_params + other_params)
-  return 1.0 * kernel_params + master_bytes(level) * other_params
+def wire_bytes(level: str, compute_bytes: int = 2) -> int:
+  """Bytes per parameter of a GEMM kernel in a ZeRO-3 all-gather: E4M3 (1) at O1..O3, the
+  compute dtype at O0 (fp8jax.fsdp)."""
+  return 1 if _level(level).fp8_gemms else compute_bytes
+
+
+def gather_bytes(level: str, kernel_params: float, other_params: float,
+                 compute_bytes: int = 2) -> float:
+  """Bytes of one ZeRO-3 weight all-gather of `kernel_params` GEMM kernels
+  (:func:`wire_bytes`) and `other_params` other parameters (the embedding, a GEMM weight,
+  in the compute dtype; norms, few, counted alike)."""
+  return wire_bytes(level, compute_bytes) * kernel_params + compute_bytes * other_params
 
 
 def optimizer_bytes_per_param(level: str) -> int:
@@ -308,37 +414,204 @@ def microbatch_seconds(model: ModelShape, seq_len: int, microbatch: int, level: 
   return compute + overhead
 
 
-def activation_bytes(model: ModelShape, seq_len: int, microbatch: int) -> float:
-  """Activation bytes of one microbatch. remat: saved BF16 layer inputs, one layer's working
-  set (~(16 d + 3 d_ff) x 2 B per token, flash attention so no T^2) and f32 logits with their
-  gradient; else ~34 d bytes per token per layer (Korthikanti et al. 2022, no T^2 term)."""
-  tokens = microbatch * seq_len
-  d = model.d_model
-  logits = tokens * model.vocab_size * 4 * 2
-  if model.remat:
-    return model.n_layers * tokens * d * 2 + tokens * (16 * d + 3 * model.d_ff) * 2 + logits
-  return model.n_layers * 34 * tokens * d + logits
+# ----------------------------------------------------------------------------- memory
+
+SCHEDULES = ("1f1b", "gpipe")
 
 
-def persistent_bytes(level: str, stage: int, kernels: int, others: int, gpus: int,
-                     local_grads: bool, a: Assumptions) -> float:
-  """Bytes per GPU of weights, gradient accumulators and optimizer state.
+class Layout(NamedTuple):
+  """How the GPUs training one model split it: `data` data-parallel ranks (the ZeRO shards)
+  x `tensor` tensor-parallel ranks x `pipeline` stages; `schedule` of the pipeline
+  (:mod:`fp8jax.parallel.pipeline`): "1f1b" (lockstep: a stage holds at most 2 x `pipeline`
+  - 1 microbatches' inputs) or "gpipe" (all of them)."""
 
-  Stage >= 1 shards m, v over the `gpus`; >= 2 also the gradient accumulators (unless
-  `local_grads`: the balanced step accumulates whole gradients locally); 3 also the master
-  weights, plus a whole gathered copy (gathered once per balanced step; conservative for
-  the uniform step). O2/O3 below stage 3 add a BF16 working copy.
+  data: int = 1
+  tensor: int = 1
+  pipeline: int = 1
+  schedule: str = "1f1b"
+
+  @property
+  def gpus(self) -> int:
+    return self.data * self.tensor * self.pipeline
+
+  def check(self) -> "Layout":
+    """Self, after checking the values (ValueError naming the bad one)."""
+    for name in ("data", "tensor", "pipeline"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Layout.{name}={value!r} is not allowed; use an integer >= 1")
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"Layout.schedule={self.schedule!r} is not allowed; use one of "
+                       f"{list(SCHEDULES)}")
+    return self
+
+
+def activation_bytes(model: ModelShape, seq_len: int, microbatch: int, level: str = "O0",
+                     tensor: int = 1, layers: int | None = None, in_flight: int = 1,
+                     logits: bool = True) -> float:
+  """Activation bytes on one GPU: `in_flight` microbatches of `microbatch` sequences x
+  `seq_len` tokens saved for the backward of `layers` layers (default all), one layer's
+  working set, and (`logits`) the f32 logits with their gradient, n V x 8.
+
+  n tokens per microbatch, c compute bytes, F' the MLP's output width (2 d_ff when gated).
+  With remat, per layer and token: the layer input d c; ``save_gemm_outputs`` adds the qkv,
+  attention-out and MLP-in outputs (4 d + F') c and, with cuDNN attention, its residuals
+  d c; ``save_gemm_io`` also (3 d + d_ff) FP8 input casts (c each at O0); all three split over
+  `tensor` ranks. Working set (16 d + 3 F') c: one layer recomputed and differentiated, its
+  part beyond 4 d split over `tensor` ranks. Without remat 34 d bytes per token per layer
+  (Korthikanti et al. 2022), (10 + 24 / tensor) d with tensor parallelism. XLA attention
+  (``model.attention_impl``) adds its f32 scores and probabilities, m (H / tensor) T^2 x 8
+  bytes per layer: one layer's in the working set, and every layer's without remat; cuDNN's
+  flash attention keeps none.
   """
-  per = state_bytes_per_param(level)
-  params = kernels + others
-  total = params * (per["m"] + per["v"]) / (gpus if stage >= 1 else 1)
-  total += params * per["grads"] / (gpus if stage >= 2 and not local_grads else 1)
-  total += params * per["master"] / (gpus if stage == 3 else 1)
-  if stage == 3:
-    total += gather_bytes(level, kernels, others)
-  elif _level(level).scaled_master:
-    total += params * a.fp8_working_copy_bytes
-  return total
+  n = microbatch * seq_len
+  d, c = model.d_model, model.compute_bytes
+  wide = 2 * model.d_ff if model.gated_mlp else model.d_ff
+  layers = model.n_layers if layers is None else layers
+  xla = model.attention_impl == "xla"
+  scores = microbatch * model.n_heads / tensor * seq_len * seq_len * 8 if xla else 0.0
+  if model.remat:
+    saved = n * d * c
+    if model.remat_policy != "full":
+      saved += n * (4 * d + wide + (0 if xla else d)) * c / tensor
+    if model.remat_policy == "save_gemm_io":
+      saved += n * (3 * d + model.d_ff) * (1 if _level(level).fp8_gemms else c) / tensor
+    working = n * (4 * d + (12 * d + 3 * wide) / tensor) * c + scores
+  else:
+    saved, working = n * (10 + 24 / tensor) * d + scores, 0.0
+  head = n * model.vocab_size * 8 if logits else 0
+  return in_flight * layers * saved + working + head
+
+
+class DeviceMemory(NamedTuple):
+  """Bytes on one GPU by term: `state` lives between steps; `backward` (the forward and
+  backward of the microbatches) and `update` (the optimizer) are the step's two phases,
+  which do not overlap. :attr:`peak` is what the GPU must hold."""
+
+  state: dict
+  backward: dict
+  update: dict
+
+  @property
+  def peak(self) -> float:
+    """State + the larger phase."""
+    return sum(self.state.values()) + max(sum(self.backward.values()),
+                                          sum(self.update.values()))
+
+  @property
+  def idle_peak(self) -> float:
+    """The peak of a GPU that runs no microbatch: state and update, and where the step takes
+    the whole model before its loop (a balanced step at ZeRO-3) that model and its
+    accumulator, which every group holds."""
+    whole = sum(self.backward.get(k, 0.0) for k in ("gathered model", "accumulator")
+                ) if "gathered model" in self.backward else 0.0
+    return sum(self.state.values()) + max(sum(self.update.values()), whole)
+
+
+def fp8_meta_bytes(level: str, gemms: int) -> int:
+  """Bytes of the FP8 state of `gemms` GEMMs: per operand role (input, weight, gradient) an
+  f32 scale and the amax history of the default recipe."""
+  recipe = _level(level).recipe
+  return 0 if recipe is None else gemms * 3 * (recipe.amax_history_len + 1) * 4
+
+
+def device_memory(model: ModelShape, level: str, stage: int, seq_len: int, microbatch: int,
+                  microbatches: int = 1, layout: Layout = Layout(),
+                  a: Assumptions = Assumptions(), emulated: bool = False,
+                  local_grads: bool = False, fused_update: bool | None = None,
+                  whole_params: bool = False) -> DeviceMemory:
+  """Bytes on the fullest GPU of `layout` training `model` at `level` and ZeRO `stage`
+  (sharded over ``layout.data``), `microbatches` microbatches of `microbatch` sequences x
+  `seq_len` tokens per step. The one memory model of a train step: ``fp8jax simulate``,
+  :mod:`fp8jax.parallel.sizing` and ``fp8jax.train.memory`` (the "auto" remat policy) read it.
+
+  Per GPU: the layers of one pipeline stage (``ceil(n_layers / pipeline)``; the first
+  stage also holds the embedding and the most in-flight microbatches, the last the LM head
+  and the logits; the larger of the two is returned), their kernels split over ``tensor``.
+  State: master weights (/N at stage 3), Adam moments (/N from stage 1), FP8 meta. Backward:
+  f32 gradients (/N at stage 3: each layer's are reduce-scattered as its backward makes
+  them), an f32 accumulator with several microbatches (/N from stage 2), the master decoded
+  to the compute dtype (O2/O3; /N at stage 3), FP8 weight casts (below stage 3), at stage 3
+  `a.layers_in_flight` layers' gathered kernels (:func:`wire_bytes`) and the f32 gradient of
+  the largest kernel (:attr:`ModelShape.largest_kernel`) before its reduce-scatter, that
+  kernel widened where FP8 is `emulated`, and :func:`activation_bytes`. Update: the f32
+  gradients (/N from stage 2), the update's temporaries (/N from stage 1) and, where an
+  all-reduce reduces them (stages 0/1 over several GPUs), its output.
+
+  Args:
+    local_grads: the per-group step (``fp8jax.train.step.GroupLoop``: a balanced split or
+      FP8 gradient communication). Its loop always keeps an f32 accumulator; below stage 3
+      it sums whole gradients and reduces them once after the loop; at stage 3 it takes the
+      parameters as shards, gathers each layer's kernels in the compute dtype where the
+      layer runs and reduce-scatters their gradients there (the accumulator holds shards;
+      one layer's f32 kernel gradients are counted in flight); it decodes the FP16 master
+      to f32 (4 bytes per parameter; /N at stage 3). Leaves ZeRO cannot split stay whole
+      (norm scales of widths not divisible by N; not counted).
+    whole_params: with `local_grads` at stage 3, the groups run different microbatch counts
+      (a balanced split): the parameters enter the loop whole (decoded to f32, gathered
+      before it) and the whole f32 gradients are reduced after it, as below stage 3.
+    fused_update: whether the step takes the fused O2 update (no update temporaries; with
+      one microbatch of the uniform step it reads the BF16 kernel gradients as they come;
+      ``fp8jax.train.build.fused_update_fn``); None: where it does by default, one GPU at a
+      level with a fused update, stage 0.
+  """
+  level = _check_level(level)
+  stage = _check_stage(level, stage)
+  layout = layout.check()
+  lv = _level(level)
+  per, c = state_bytes_per_param(level), model.compute_bytes
+  n, t, pp = layout.data, layout.tensor, layout.pipeline
+  layers = -(-model.n_layers // pp)
+  layer_kernels, largest = model.layer_kernels / t, model.largest_kernel / t
+  whole = local_grads and whole_params and stage == 3
+  shard3 = n if stage == 3 and not whole else 1
+  if fused_update is None:  # as fp8jax.train.build.fused_update_fn takes it on GPUs
+    fused_update = lv.fused_update and layout.gpus == 1 and stage == 0
+  # the fused update reads one microbatch's BF16 kernel gradients as they come (uniform step)
+  narrow = fused_update and microbatches == 1 and not local_grads
+  out = None
+  # in flight on the first stage: the lockstep 1F1B at most 2P - 1, GPipe every microbatch
+  in_flight = 1 if pp == 1 else microbatches if layout.schedule == "gpipe" else min(
+      microbatches, 2 * pp - 1)
+  for first, last in ((True, True),) if pp == 1 else ((True, False), (False, True)):
+    kernels = layers * layer_kernels + (model.head_kernels if last else 0)
+    others = layers * model.layer_others + (model.embedding if first else 0)
+    params = kernels + others
+    gemms = layers * (5 if model.gated_mlp else 4) + (1 if last else 0)
+    state = {"master weights": per["master"] * params / (n if stage == 3 else 1),
+             "Adam moments": (per["m"] + per["v"]) * params / (n if stage >= 1 else 1),
+             "FP8 meta": float(fp8_meta_bytes(level, gemms))}
+    grads = c * kernels + per["grads"] * others if narrow else per["grads"] * params
+    backward = {"gradients": grads / shard3}
+    if microbatches > 1 or local_grads:
+      backward["accumulator"] = per["grads"] * params / (
+          shard3 if local_grads else n if stage >= 2 else 1)
+    if whole:  # decoded (f32) and gathered before the loop
+      backward["gathered model"] = 4.0 * params
+    elif lv.scaled_master:
+      decoded = per["grads"] if local_grads else a.fp8_working_copy_bytes  # f32 / BF16
+      backward["decoded weights"] = decoded * params / shard3
+    if lv.fp8_gemms and stage < 3:
+      backward["FP8 weight casts"] = 1.0 * kernels
+    if stage == 3 and not whole:
+      wire = c if local_grads else wire_bytes(level, c)
+      backward["gathered weights"] = a.layers_in_flight * layer_kernels * wire
+      backward["weight gradient in flight"] = per["grads"] * (
+          layer_kernels if local_grads else largest)
+    if emulated and lv.fp8_gemms:
+      backward["widened FP8 weight"] = a.emulated_weight_bytes * largest
+    backward["activations"] = activation_bytes(
+        model, seq_len, microbatch, level, t, layers, in_flight if first else 1, last)
+    temp = a.update_temp_bytes if lv.scaled_master else a.update_temp_bytes_f32
+    update = {"gradients": grads / (n if stage >= 2 else 1),
+              "update temporaries": 0.0 if fused_update else temp * params / (
+                  n if stage >= 1 else 1)}
+    if stage <= 1 and n > 1:
+      update["all-reduce output"] = a.all_reduce_copy_bytes * params
+    mem = DeviceMemory(state, backward, update)
+    if out is None or mem.peak > out.peak:
+      out = mem
+  return out
 
 
 def usable_bytes(kind: str, a: Assumptions) -> float:
@@ -348,16 +621,17 @@ def usable_bytes(kind: str, a: Assumptions) -> float:
 
 def max_microbatch(kind: str, model: ModelShape, seq_len: int, level: str, stage: int,
                    gpus: int, a: Assumptions = Assumptions(), local_grads: bool = False,
-                   limit: int = 2**20) -> int:
-  """Largest power of two of sequences (<= `limit`) whose microbatch fits one GPU of `kind`;
-  0 when not even the persistent state fits."""
+                   limit: int = 2**20, microbatches: int = 1) -> int:
+  """Largest power of two of sequences (<= `limit`) whose microbatch fits one GPU of `kind`
+  (data parallel over `gpus`, :func:`device_memory`; `local_grads`: the balanced per-group
+  step); 0 when not even one sequence fits."""
   level = _check_level(level)
-  room = usable_bytes(kind, a) - persistent_bytes(level, _check_stage(level, stage),
-                                                   model.kernel_params, model.other_params,
-                                                   gpus, local_grads, a)
-  best = 0
-  m = 1
-  while m <= limit and activation_bytes(model, seq_len, m) <= room:
+  emulated = _level(level).fp8_gemms and not fp8_native(kind)
+  fits = lambda m: device_memory(model, level, stage, seq_len, m, microbatches,
+                                 Layout(data=gpus), a, emulated, local_grads,
+                                 whole_params=local_grads).peak <= usable_bytes(kind, a)
+  best, m = 0, 1
+  while m <= limit and fits(m):
     best, m = m, 2 * m
   return best
 
@@ -378,28 +652,33 @@ def ring_seconds(nbytes: float, gpus: int, bw: float, a: Assumptions) -> float:
   return (gpus - 1) / gpus * nbytes / (bw * a.comm_efficiency)
 
 
-def comm_bytes(level: str, stage: int, kernels: int, others: int, loops: int,
-               balanced: bool) -> dict[str, float]:
+def comm_bytes(level: str, stage: int, kernels: float, others: float, loops: int,
+               balanced: bool, grad_comm: str = "native",
+               compute_bytes: int = 2) -> dict[str, float]:
   """Ring payloads per step (bytes, whole buffers; an all-reduce counts 2x) by collective.
 
-  `loops`: accumulation iterations of the uniform step. Stage 0/1: one gradient all-reduce;
-  stage 1/2 add an all-gather of the updated weights (stored dtype). Stages 2/3 of the
-  uniform step reduce-scatter every microbatch's gradients and stage 3 gathers the weights
-  for forward and backward of every microbatch; the balanced step runs no collective inside
-  its loop, so it reduce-scatters once and gathers once per step.
+  `loops`: accumulation iterations of the step (of the busiest GPU with `balanced`, the
+  per-group step). Gradients travel as :func:`grad_comm_bytes`. Stage 0/1: one gradient
+  all-reduce; stage 1/2 add an all-gather of the updated weights (stored dtype). Stage 2:
+  the uniform step reduce-scatters every microbatch's gradients, the balanced one once after
+  its loop. Stage 3, both steps: per microbatch, each layer's weights gathered twice (forward,
+  and backward or its recomputation: fp8jax.fsdp) and its gradients reduce-scattered; the
+  uniform step gathers as :func:`gather_bytes`, the per-group step its kernels in the compute
+  dtype (fp8jax.fsdp.gather_tree inside ``shard_map``); with `balanced` (per-group counts)
+  the whole model is gathered once in f32 before the loop and its gradients all-reduced after.
   """
   params = kernels + others
-  grads = params * grad_comm_bytes(level)
-  n = 1 if balanced else loops
-  if stage <= 1:
+  grads = params * grad_comm_bytes(level, grad_comm)
+  if stage <= 1 or (stage == 3 and balanced):
     out = {"grad all-reduce": 2 * grads}
   else:
-    out = {"grad reduce-scatter": n * grads}
+    out = {"grad reduce-scatter": (1 if balanced and stage == 2 else loops) * grads}
   if stage in (1, 2):
     out["weight all-gather"] = params * master_bytes(level)
-  if stage == 3:
-    out["weight all-gather"] = (1 if balanced else 2 * loops) * gather_bytes(level, kernels,
-                                                                              others)
+  if stage == 3 and balanced:
+    out["weight all-gather"] = 4.0 * params
+  elif stage == 3:
+    out["weight all-gather"] = 2 * loops * gather_bytes(level, kernels, others, compute_bytes)
   return out
 
 
@@ -463,9 +742,12 @@ def _infeasible(reason: str, seconds=None, memory=None, microbatch=None) -> Spli
 def _evaluate(ctx: dict, m: int, balanced: bool) -> Split:
   """The split for microbatch size `m`, or an infeasible Split saying why."""
   model, a, cluster, kinds = ctx["model"], ctx["a"], ctx["cluster"], ctx["kind_list"]
-  memory = {k: persistent_bytes(ctx["level"], ctx["stage"], ctx["kernels"], ctx["others"],
-                                cluster.gpus, balanced, a) +
-            activation_bytes(model, ctx["seq_len"], m) for k in ctx["kinds"]}
+  loops = 2 if ctx["batch"] // m > cluster.gpus else 1  # (an accumulator from 2 on)
+  usage = {k: device_memory(model, ctx["level"], ctx["stage"], ctx["seq_len"], m, loops,
+                            Layout(data=cluster.gpus), a, k in ctx["emulated"], balanced,
+                            whole_params=balanced)
+           for k in ctx["kinds"]}
+  memory = {k: u.peak for k, u in usage.items()}
   too_big = [k for k in ctx["kinds"] if memory[k] > usable_bytes(k, a)]
   seconds = {k: _kind_seconds(model, ctx["seq_len"], m, ctx["level"], k, a, ctx["profiles"])
              for k in ctx["kinds"]}
@@ -485,10 +767,10 @@ def _evaluate(ctx: dict, m: int, balanced: bool) -> Split:
   busy = {k for k, c in zip(kinds, counts) if c > 0}
   idle = tuple(k for k in ctx["kinds"] if k not in busy)
   for k in idle:  # their ZeRO shards only: no microbatch, no activations
-    memory[k] -= activation_bytes(model, ctx["seq_len"], m)
+    memory[k] = usage[k].idle_peak
   compute = makespan(counts, per_gpu)
   payload = comm_bytes(ctx["level"], ctx["stage"], ctx["kernels"], ctx["others"], max(counts),
-                       balanced)
+                       balanced, compute_bytes=model.compute_bytes)
   comm = sum(ring_seconds(b, cluster.gpus, ctx["bw"], a) for b in payload.values())
   step = compute + (1 - a.overlap) * comm + ctx["optimizer_s"]
   tokens = ctx["batch"] * ctx["seq_len"] / step
@@ -571,7 +853,9 @@ def predict(cluster: ClusterSpec, model: ModelShape, seq_len: int, global_batch:
              kinds=[k for k, _ in cluster.groups], level=level, stage=stage, kernels=kernels,
              others=others, seq_len=seq_len, batch=global_batch, profiles=profiles,
              bw=link_bandwidth(cluster), flops_per_token=model.flops_per_token(seq_len),
-             optimizer_s=optimizer_seconds(level, stage, kernels + others, cluster, a))
+             optimizer_s=optimizer_seconds(level, stage, kernels + others, cluster, a),
+             emulated={k for k, _ in cluster.groups
+                       if _level(level).fp8_gemms and not fp8_native(k)})
   sizes = _candidates(global_batch, microbatch)
   uneven = uniform_reason(global_batch, cluster.gpus)
   uniform = _infeasible(uneven) if uneven else _best(ctx, sizes, False)

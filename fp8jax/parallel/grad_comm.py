@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from fp8jax.parallel.collectives import (CommScaling, fp8_reduce_scatter_auto,
+from fp8jax.parallel.collectives import (CommScaling, fp8_reduce_scatter, fp8_reduce_scatter_auto,
                                          fp8_reduce_scatter_tree, init_comm_scaling)
 
 GRAD_COMM = ("native", "fp8")
@@ -80,6 +80,14 @@ def fp8_leaves(params, n: int) -> list[int]:
   """Indices (``jax.tree.leaves`` order) of the leaves that go through FP8 over `n` groups."""
   return [i for i, x in enumerate(jax.tree.leaves(params))
           if fp8_scatter_dim(np.shape(x), n) is not None]
+
+
+def fp8_sum_into(g, axes: tuple[str, ...], dim: int):
+  """One gradient `g` (f32, this group's) summed over the groups along `axes`, this group's
+  chunk along `dim`, through an FP8 (E4M3) reduce-scatter with current scaling: the
+  ``reduce`` of an ``fp8jax.fsdp.Local`` layout (ZeRO-3 reduces each gradient where the
+  backward makes it)."""
+  return fp8_reduce_scatter(g, axes, scatter_dimension=dim)
 
 
 def reduce_over_groups(params, axes: tuple[str, ...], grad_comm: str = "native",

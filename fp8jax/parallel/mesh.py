@@ -1,10 +1,15 @@
-"""The global device mesh: named axes for data, ZeRO/FSDP and tensor parallelism.
+"""The global device mesh: named axes for pipeline, data, ZeRO/FSDP and tensor parallelism.
 
-Axis sizes come from the config (``parallel.data_parallel_size``, ``parallel.fsdp_size``,
-``parallel.tensor_parallel_size``); one of them may be -1, meaning "whatever the devices leave".
-The mesh holds every process's devices (``jax.devices()``), so all processes build the same
-mesh. Axes are ``Auto``: the step is written for ``jax.jit`` with shardings and XLA's
-partitioner places the collectives.
+Axis sizes come from the config (``parallel.pipeline_parallel_size``,
+``parallel.data_parallel_size``, ``parallel.fsdp_size``, ``parallel.tensor_parallel_size``); one
+of data, fsdp and tensor may be -1, meaning "whatever the devices leave". The mesh holds every
+process's devices (``jax.devices()``), so all processes build the same mesh. Axes are ``Auto``:
+the step is written for ``jax.jit`` with shardings and XLA's partitioner places the
+collectives (the pipeline schedule alone is manual over "pipe": ``fp8jax.parallel.pipeline``).
+
+Axes: ("data", "fsdp", "tensor"), led by "pipe" when there are 2 or more pipeline stages (a
+mesh without a "pipe" axis has one stage: :func:`pipe_size`). "pipe" is the outermost axis,
+so a stage's devices are neighbours and stages talk only to the next and previous stage.
 """
 from __future__ import annotations
 
@@ -15,8 +20,8 @@ from typing import Sequence
 import jax
 from jax.sharding import AxisType, Mesh
 
-DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
-AXES = (DATA, FSDP, TENSOR)
+PIPE, DATA, FSDP, TENSOR = "pipe", "data", "fsdp", "tensor"
+AXES = (DATA, FSDP, TENSOR)  # every mesh's; PIPE leads them with pipeline stages
 BATCH_AXES = (DATA, FSDP)  # split the batch; every data-parallel rank (ZeRO shards over them)
 FILL = -1
 
@@ -27,15 +32,32 @@ def _check_size(name: str, value) -> None:
                      f"or -1 (fill with the remaining devices)")
 
 
+def _check_pipe(value) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(f"mesh axis {PIPE!r} size {value!r} is not allowed; use an integer >= 1 "
+                     f"(pipeline stages)")
+
+
 def mesh_shape(num_devices: int, data: int = FILL, fsdp: int = 1,
-               tensor: int = 1) -> tuple[int, int, int]:
-  """(data, fsdp, tensor) sizes for `num_devices` devices; one size may be -1 (fill).
+               tensor: int = 1, pipe: int = 1) -> tuple[int, int, int]:
+  """(data, fsdp, tensor) sizes for `num_devices` devices of which each of `pipe` pipeline
+  stages gets 1/pipe; one size may be -1 (fill).
 
   Raises ValueError naming the sizes and the device count when they do not fit.
   """
+  _check_pipe(pipe)
   sizes = {DATA: data, FSDP: fsdp, TENSOR: tensor}
   for name, value in sizes.items():
     _check_size(name, value)
+  if pipe > 1:
+    if num_devices % pipe:
+      raise ValueError(f"{num_devices} devices do not split into {PIPE}={pipe} pipeline "
+                       f"stages; use a stage count that divides {num_devices}")
+    try:
+      return mesh_shape(num_devices // pipe, data, fsdp, tensor)
+    except ValueError as e:
+      raise ValueError(f"{e} (per pipeline stage: {num_devices} devices / {PIPE}={pipe})") \
+          from None
   fill = [name for name, v in sizes.items() if v == FILL]
   if len(fill) > 1:
     raise ValueError(f"mesh axes {fill} are all -1; at most one axis may be -1 (fill), "
@@ -54,17 +76,26 @@ def mesh_shape(num_devices: int, data: int = FILL, fsdp: int = 1,
 
 
 def make_mesh(data: int = FILL, fsdp: int = 1, tensor: int = 1,
-              devices: Sequence | None = None) -> Mesh:
-  """A Mesh with axes ("data", "fsdp", "tensor") over `devices` (default: all processes')."""
+              devices: Sequence | None = None, pipe: int = 1) -> Mesh:
+  """A Mesh with axes ("data", "fsdp", "tensor"), led by "pipe" when `pipe` > 1, over
+  `devices` (default: all processes')."""
   devices = list(jax.devices() if devices is None else devices)
-  shape = mesh_shape(len(devices), data, fsdp, tensor)
-  return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+  shape = mesh_shape(len(devices), data, fsdp, tensor, pipe)
+  names = AXES
+  if pipe > 1:
+    shape, names = (pipe, *shape), (PIPE, *AXES)
+  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names), devices=devices)
 
 
 def mesh_from_config(parallel, devices: Sequence | None = None) -> Mesh:
   """The mesh a config's ``parallel`` section asks for."""
   return make_mesh(parallel.data_parallel_size, parallel.fsdp_size,
-                   parallel.tensor_parallel_size, devices)
+                   parallel.tensor_parallel_size, devices, parallel.pipeline_parallel_size)
+
+
+def pipe_size(mesh: Mesh) -> int:
+  """Pipeline stages of `mesh`: its "pipe" axis size (1 without one)."""
+  return int(mesh.shape.get(PIPE, 1))
 
 
 def device_kinds(mesh: Mesh) -> dict[int, dict[str, int]]:
@@ -76,7 +107,7 @@ def device_kinds(mesh: Mesh) -> dict[int, dict[str, int]]:
 
 
 def describe(mesh: Mesh) -> str:
-  """One line: axis sizes and device kinds per process, e.g.
+  """One line: axis sizes ("pipe" first when present) and device kinds per process, e.g.
   ``mesh data=4 fsdp=2 tensor=1; process 0: 8 x cpu``."""
   axes = " ".join(f"{n}={s}" for n, s in mesh.shape.items())
   procs = "; ".join(f"process {p}: " + ", ".join(f"{n} x {k}" for k, n in kinds.items())

@@ -20,13 +20,17 @@ replicate across "data", i.e. hybrid sharding):
   GEMM multiplies directly: one rounding per step, as on one device. Other parameters cross
   in the model's compute dtype (GEMM weights) or the master payload dtype (FP16 with a
   power-of-two scale at O2/O3, lossless) or as stored (f32 at O0/O1).
-  The per-group loop (``shard_map``) still gathers the whole model before its loop
-  (:meth:`ZeroPlan.gather_fn`: FP8 kernels as E4M3 + scale, cast again by their GEMM).
+  The per-group loop (``shard_map``) does the same with explicit collectives
+  (``fp8jax.train.step.GroupLoop``).
 
 Rule per array: shard the largest dimension divisible by the product of the ZeRO axes' sizes
 (the first such on ties); replicate arrays where none divides, scalars, and the FP8 meta.
 With a "tensor" axis, arrays a tensor-parallel rule names (:mod:`fp8jax.parallel.tensor`)
 also split one dimension over it, in every stage; the ZeRO rule then picks another dimension.
+With a "pipe" axis (pipeline stages), every array of the stacked layers (parameters, their
+optimizer state and master weights, and the FP8 state) splits its leading layer axis over it
+(:func:`fp8jax.parallel.pipeline.pipe_dim`: stage s holds layers [s L/P, (s+1) L/P)); the
+ZeRO and tensor rules use the other dimensions.
 The batch's first dimension is sharded over ("data", "fsdp")
 (:func:`fp8jax.parallel.layout.batch_sharding`).
 
@@ -43,22 +47,19 @@ import math
 from typing import Any, Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from fp8jax.fsdp import WeightGather, constrain_bits
-from fp8jax.optim.scaled import quantize_scaled
+from fp8jax.fsdp import WeightGather
 from fp8jax.parallel.combine import combine_options
 from fp8jax.parallel.layout import batch_sharding, put_global
-from fp8jax.parallel.mesh import BATCH_AXES, TENSOR
+from fp8jax.parallel.mesh import BATCH_AXES, PIPE, TENSOR
+from fp8jax.parallel.pipeline import pipe_dim
 from fp8jax.parallel.tensor import GPT_RULES, tensor_dim
-from fp8jax.params import leaf_name
 
 STAGES = (0, 1, 2, 3)
 ZERO_AXES = BATCH_AXES
 HOST_MEMORY = "pinned_host"
-FP8_GATHER_DTYPE = jnp.float8_e4m3fn
 
 
 def check_stage(stage) -> int:
@@ -77,15 +78,17 @@ def _check_axes(mesh: Mesh, axes: Sequence[str]) -> tuple[str, ...]:
 
 
 def shard_spec(shape: Sequence[int], mesh: Mesh, axes: Sequence[str] = ZERO_AXES,
-               tensor: int | None = None) -> P:
+               tensor: int | None = None, pipe: int | None = None) -> P:
   """PartitionSpec sharding the largest dimension of `shape` divisible by the ZeRO axes' size
-  over `axes` (not dimension `tensor`, which goes to the "tensor" axis when given); P()
-  (replicated) when nothing is split."""
+  over `axes` (not dimension `tensor`, which goes to the "tensor" axis when given, nor
+  dimension `pipe`, which goes to the "pipe" axis); P() (replicated) when nothing is split."""
   n = math.prod(mesh.shape[a] for a in axes)
   spec: list[Any] = [None] * len(shape)
   if tensor is not None:
     spec[tensor] = TENSOR
-  dims = [i for i, d in enumerate(shape) if d % n == 0 and d > 0 and i != tensor]
+  if pipe is not None:
+    spec[pipe] = PIPE
+  dims = [i for i, d in enumerate(shape) if d % n == 0 and d > 0 and i not in (tensor, pipe)]
   if n > 1 and dims:
     spec[max(dims, key=lambda i: (shape[i], -i))] = tuple(axes)
   return P(*spec) if any(a is not None for a in spec) else P()
@@ -93,12 +96,12 @@ def shard_spec(shape: Sequence[int], mesh: Mesh, axes: Sequence[str] = ZERO_AXES
 
 def leaf_spec(path, shape: Sequence[int], mesh: Mesh, axes: Sequence[str], zero: bool,
               rules: Sequence = GPT_RULES) -> P:
-  """The spec of the state array at `path`: its tensor-parallel dimension (if a rule names
-  it) over "tensor", and, when `zero`, the ZeRO rule of :func:`shard_spec` over `axes`."""
-  tensor = tensor_dim(jax.tree_util.keystr(tuple(path)), shape, mesh, rules)
-  if zero:
-    return shard_spec(shape, mesh, axes, tensor)
-  return shard_spec(shape, mesh, (), tensor)
+  """The spec of the state array at `path`: its layer axis over "pipe" (stacked layers, with
+  pipeline stages), its tensor-parallel dimension (if a rule names it) over "tensor", and,
+  when `zero`, the ZeRO rule of :func:`shard_spec` over `axes`."""
+  key = jax.tree_util.keystr(tuple(path))
+  tensor = tensor_dim(key, shape, mesh, rules)
+  return shard_spec(shape, mesh, axes if zero else (), tensor, pipe_dim(key, shape, mesh))
 
 
 def sharded(tree, mesh: Mesh, axes: Sequence[str] = ZERO_AXES, memory_kind: str | None = None,
@@ -112,7 +115,7 @@ def sharded(tree, mesh: Mesh, axes: Sequence[str] = ZERO_AXES, memory_kind: str 
 
 def replicated(tree, mesh: Mesh, rules: Sequence = GPT_RULES):
   """A NamedSharding per leaf of `tree`, replicated over the ZeRO axes (tensor-parallel
-  dimensions still split over "tensor")."""
+  dimensions still split over "tensor", stacked layers over "pipe")."""
   return jax.tree_util.tree_map_with_path(
       lambda path, x: NamedSharding(mesh, leaf_spec(path, np.shape(x), mesh, (), False, rules)),
       tree)
@@ -134,7 +137,10 @@ def state_shardings(state, mesh: Mesh, stage: int, *,
             else replicated(state.params, mesh, rules))
   opt = (sharded(state.opt_state, mesh, axes, HOST_MEMORY if offload else None, rules)
          if stage >= 1 else replicated(state.opt_state, mesh, rules))
-  fp8 = jax.tree.map(lambda _: NamedSharding(mesh, P()), state.fp8)  # scalars, histories
+  fp8 = jax.tree_util.tree_map_with_path(  # scalars, histories: whole (by layer over "pipe")
+      lambda path, x: NamedSharding(mesh, shard_spec(
+          np.shape(x), mesh, (), None, pipe_dim(jax.tree_util.keystr(path), np.shape(x), mesh))),
+      state.fp8)
   comm = jax.tree.map(lambda _: NamedSharding(mesh, P()), state.comm)  # grad-comm scaling
   return state._replace(step=NamedSharding(mesh, P()), params=params, fp8=fp8, opt_state=opt,
                         comm=comm)
@@ -158,35 +164,6 @@ def reduce_gradients(grads, mesh: Mesh, stage: int, axes: Sequence[str] = ZERO_A
   return _constrain(grads, mesh, axes, stage >= 2, rules)
 
 
-def _gather_leaf(path, x, mesh: Mesh, axes, dtype, rules: Sequence = GPT_RULES):
-  """`x` replicated over the ZeRO axes (tensor-parallel dimensions stay split), travelling in
-  `dtype` (None: as it is) with a straight-through gradient that is reduce-scattered back to
-  `x`'s ZeRO layout."""
-  rep = NamedSharding(mesh, leaf_spec(path, x.shape, mesh, axes, False, rules))
-  home = NamedSharding(mesh, leaf_spec(path, x.shape, mesh, axes, True, rules))
-
-  def value(x):
-    if dtype is None:
-      return jax.lax.with_sharding_constraint(x, rep)
-    quantize = lambda t: quantize_scaled(t, dtype, power_of_two=dtype != FP8_GATHER_DTYPE)
-    per_slice = x.ndim >= 3  # stacked over scanned layers: one scale per layer
-    q = jax.vmap(quantize)(x) if per_slice else quantize(x)
-    data = constrain_bits(q.data, rep)
-    scale = q.scale.reshape(q.scale.shape + (1,) * (x.ndim - q.scale.ndim))
-    # An FP8 kernel is re-quantized by its GEMM: BF16 holds it for that at half the bytes of
-    # f32 (the gathered model is the largest buffer of a stage-3 step).
-    wide = jnp.bfloat16 if dtype == FP8_GATHER_DTYPE else x.dtype
-    return (data.astype(jnp.float32) * scale).astype(wide)
-
-  @jax.custom_vjp
-  def gather(x):
-    return value(x)
-
-  gather.defvjp(lambda x: (value(x), None),
-                lambda _, g: (jax.lax.with_sharding_constraint(g.astype(x.dtype), home),))
-  return gather(x)
-
-
 @dataclasses.dataclass(frozen=True)
 class LeafSpecs:
   """``(path, shape) -> (home, gathered)`` PartitionSpecs of a parameter as
@@ -198,31 +175,9 @@ class LeafSpecs:
 
   def __call__(self, path: str, shape) -> tuple[P, P]:
     tensor = tensor_dim(path, shape, self.mesh, self.rules)
-    return (shard_spec(shape, self.mesh, self.axes, tensor),
-            shard_spec(shape, self.mesh, (), tensor))
-
-
-def gather_params(params, mesh: Mesh, *, fp8_kernels: bool, payload_dtype=None,
-                  axes: Sequence[str] = ZERO_AXES, rules: Sequence = GPT_RULES):
-  """Stage-3 forward weights gathered all at once, before the forward (the per-group
-  loop's gather; the uniform step gathers per use, :meth:`ZeroPlan.weight_gather`).
-
-  Args:
-    params: the model's parameters (decoded master weights), sharded.
-    fp8_kernels: gather leaves named "kernel" in E4M3 + scale (levels with FP8 GEMMs).
-    payload_dtype: dtype other float leaves travel in with a power-of-two scale (the master
-      dtype, FP16 at O2/O3), or None to gather them as they are.
-  """
-  def one(path, x):
-    if leaf_spec(path, x.shape, mesh, axes, True, rules) == \
-        leaf_spec(path, x.shape, mesh, axes, False, rules):
-      return x  # not ZeRO-sharded: nothing to gather
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      return _gather_leaf(path, x, mesh, axes, None, rules)
-    if fp8_kernels and leaf_name(path) == "kernel":
-      return _gather_leaf(path, x, mesh, axes, FP8_GATHER_DTYPE, rules)
-    return _gather_leaf(path, x, mesh, axes, payload_dtype, rules)
-  return jax.tree_util.tree_map_with_path(one, params)
+    pipe = pipe_dim(path, shape, self.mesh)
+    return (shard_spec(shape, self.mesh, self.axes, tensor, pipe),
+            shard_spec(shape, self.mesh, (), tensor, pipe))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,8 +191,6 @@ class ZeroPlan:
     batch: NamedSharding of a batch int32[B, T+1].
     axes: mesh axes the ZeRO state is sharded over.
     offload: optimizer state kept in host memory between steps.
-    fp8_gather: the per-group loop's stage-3 gather (:meth:`gather_fn`) sends FP8 kernels
-      as E4M3 + scale (the uniform step's GEMMs gather their own weights as E4M3).
     payload_dtype: dtype other stage-3 parameters are gathered in (None: as stored).
     compiler_options: XLA compile options of the step (``combine.combine_options``).
   """
@@ -248,7 +201,6 @@ class ZeroPlan:
   batch: NamedSharding
   axes: tuple[str, ...] = ZERO_AXES
   offload: bool = False
-  fp8_gather: bool = False
   payload_dtype: Any = None
   compiler_options: dict | None = None
   rules: tuple = GPT_RULES
@@ -269,16 +221,6 @@ class ZeroPlan:
       return None
     return WeightGather(self.mesh, LeafSpecs(self.mesh, self.axes, self.rules),
                         payload_dtype=self.payload_dtype)
-
-  def gather_fn(self) -> Callable | None:
-    """Stage 3: ``params -> params`` all-gathering the whole model's forward weights at once
-    as :func:`gather_params` does with this plan's payloads (FP8 kernels travel as E4M3 bits +
-    scale), for the per-group loop; None below."""
-    if self.stage < 3:
-      return None
-    return lambda p: gather_params(p, self.mesh, fp8_kernels=self.fp8_gather,
-                                   payload_dtype=self.payload_dtype, axes=self.axes,
-                                   rules=self.rules)
 
   def reduce_fn(self) -> Callable | None:
     """Stages 1-3: ``grads -> grads`` laying parameter gradients out as
@@ -309,8 +251,9 @@ def plan(state, mesh: Mesh, stage: int, *, level=None, offload: bool = False,
   """The :class:`ZeroPlan` of `state` (arrays or ``jax.ShapeDtypeStruct``s) for ZeRO `stage`
   on `mesh`.
 
-  `level` (an ``fp8jax.OptLevel``) decides how stage 3 gathers: FP8 kernels when it has FP8
-  GEMMs, other parameters in its master dtype when that is narrower than f32. The bucket
+  `level` (an ``fp8jax.OptLevel``) decides how stage 3 gathers parameters other than GEMM
+  kernels: in its master dtype when that is narrower than f32 (kernels of FP8 GEMMs are
+  gathered as E4M3 by their GEMM whatever the level). The bucket
   sizes (bytes) become XLA combine thresholds (:mod:`fp8jax.parallel.combine`).
   `tensor_rules` split parameters over the mesh's "tensor" axis (:mod:`fp8jax.parallel.tensor`;
   the default suits the reference model).
@@ -319,12 +262,11 @@ def plan(state, mesh: Mesh, stage: int, *, level=None, offload: bool = False,
   axes = _check_axes(mesh, axes)
   rules = tuple(tensor_rules)
   shardings = state_shardings(state, mesh, stage, axes=axes, offload=offload, rules=rules)
-  fp8_gather = level is not None and level.fp8_gemms
   payload = None
   if level is not None and level.scaled_master:
     payload = np.dtype(level.master_dtype)
   return ZeroPlan(mesh, check_stage(stage), shardings, batch_sharding(mesh), axes, offload,
-                  fp8_gather, payload, options, rules)
+                  payload, options, rules)
 
 
 def device_bytes(tree) -> dict:

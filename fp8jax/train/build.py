@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from fp8jax import linen, parallel, xla_env
 from fp8jax.dot import native_fp8_reason
 from fp8jax.parallel.tensor import GPT_RULES
-from fp8jax.hardware import DeviceReport, gpu_spec
+from fp8jax.hardware import DeviceReport, device_reason, gpu_spec
 from fp8jax.models.layers import AUTO, cudnn_attention_reason
 from fp8jax.parallel.capability import gather_reports
 from fp8jax.parallel.layout import group_count
@@ -22,7 +22,7 @@ from fp8jax.parallel.zero import ZeroPlan
 from fp8jax.train.memory import GiB, step_bytes
 from fp8jax.train.optimizer import make_fused_update, make_optimizer, schedule_for
 from fp8jax.train.model import RunModel
-from fp8jax.train.step import TrainStep, build_step
+from fp8jax.train.step import PipelineLoop, TrainStep, build_step
 
 AUTO_FIELDS = ("attention_impl", "remat_policy", "scan_layers")
 # Share of a device's memory (the allocator's limit) a step chosen by resolve_auto may fill.
@@ -97,7 +97,8 @@ def _policy_candidates(config) -> tuple[str, ...]:
 
 def _choose_policy(config, attention_impl: str, reports) -> tuple[str, str]:
   """(remat policy, why) for a GPU run: the least recomputing policy whose estimated step
-  (``fp8jax.train.memory.step_bytes``) fits the smallest device's usable memory."""
+  (``fp8jax.train.memory.step_bytes``; FP8 emulated where a device lacks FP8 GEMMs) fits the
+  smallest device's usable memory."""
   if not config.model.remat:
     return "full", "remat is off: no policy applies"
   usable = [_usable_bytes(r) for r in reports]
@@ -105,9 +106,10 @@ def _choose_policy(config, attention_impl: str, reports) -> tuple[str, str]:
     return "full", "device memory unknown"
   usable_min = min(usable)
   devices = _run_device_count(config, reports)
+  emulated = config.level().fp8_gemms and any(device_reason(r) for r in reports)
   estimate = 0.0
   for policy in _policy_candidates(config):
-    estimate = step_bytes(config, policy, attention_impl, devices)
+    estimate = step_bytes(config, policy, attention_impl, devices, emulated)
     if estimate <= usable_min:
       return policy, (f"estimated {estimate / GiB:.1f} GiB per device of "
                       f"{usable_min / GiB:.1f} GiB usable")
@@ -201,9 +203,11 @@ def weight_cast_fn(config, model, microbatches: int) -> Callable | None:
   """fp8.cast_weights_once resolved for a step of `microbatches`: ``variables -> {collection:
   FP8 weight casts}`` (``fp8jax.linen.cast_weights`` with `model`'s recipe and compute dtype)
   to cast every weight once for all microbatches; None at O0, with one microbatch (the model
-  casts once anyway) or with the option off."""
+  casts once anyway), with pipeline stages (each stage's GEMMs cast their weights per
+  microbatch) or with the option off."""
   if (not config.fp8.cast_weights_once or getattr(model, "recipe", None) is None
-      or microbatches < 2):  # (a builder's converted module casts per microbatch)
+      or microbatches < 2  # (a builder's converted module casts per microbatch)
+      or config.parallel.pipeline_parallel_size > 1):  # (each stage casts its own layers)
     return None
   return functools.partial(linen.cast_weights, recipe=model.recipe,
                            dtype=jnp.dtype(model.config.dtype))
@@ -215,7 +219,8 @@ def _alone(config, processes: int) -> bool:
   p = config.parallel
   return (config.zero_stage() == 0 and processes == 1 and p.device_map is None
           and p.data_parallel_size in (-1, 1) and p.fsdp_size == 1
-          and p.tensor_parallel_size == 1 and config.grad_comm() == "native")
+          and p.tensor_parallel_size == 1 and p.pipeline_parallel_size == 1
+          and config.grad_comm() == "native")
 
 
 def _run_device_count(config, reports: Sequence[DeviceReport]) -> int:
@@ -264,6 +269,14 @@ def fused_update_fn(config, schedule, plan: ZeroPlan) -> Callable | None:
                            weight_decay=t.weight_decay, clip_norm=t.gradient_clipping)
 
 
+def pipeline_loop(config, plan: ZeroPlan, model) -> PipelineLoop | None:
+  """The pipeline loop of a run with ``parallel.pipeline_parallel_size`` > 1 (`model` cut
+  into its parts, the configured schedule on the plan's mesh); None without stages."""
+  if config.parallel.pipeline_parallel_size == 1:
+    return None
+  return PipelineLoop(plan.mesh, model.parts(), config.parallel.pipeline_schedule)
+
+
 class StepCache:
   """The run's compiled train steps: one per model, or one per (model, microbatch count) when
   the count is fixed per step.
@@ -303,7 +316,10 @@ class StepCache:
           grad_comm=c.grad_comm(), comm_scaling=c.parallel.grad_comm_scaling,
           growth_interval=c.grad_comm_growth_interval(), fused_update=self.fused_update,
           cast_weights=weight_cast_fn(c, model, microbatches),
-          matrix_dtype=c.model.dtype if c.model.builder is None else None))
+          matrix_dtype=c.model.dtype if c.model.builder is None else None,
+          gathers_at_use=getattr(model, "gathers_at_use", False),
+          layer_stacks=getattr(model, "layer_stacks", ()),
+          pipeline=pipeline_loop(c, self.plan, model)))
     return self._steps[key][1]
 
   def built(self) -> list[tuple]:

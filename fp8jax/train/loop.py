@@ -25,7 +25,7 @@ from fp8jax import optim as fp8_optim
 from fp8jax.config import Config, save_config
 from fp8jax.dot import native_fp8_reason
 from fp8jax.models.layers import param_count
-from fp8jax.parallel import balance, capability, layout
+from fp8jax.parallel import balance, capability, layout, pipeline
 from fp8jax.parallel import device_map as device_map_lib
 from fp8jax.train import build, guards
 from fp8jax.train import metrics as metrics_lib
@@ -98,8 +98,9 @@ class Trainer:
     self.steps = build.StepCache(
         self.config, self.tx, self.plan, self._fused_update,
         self.balanced_counts if self.group_seconds is not None else None)
-    self._eval = jax.jit(make_eval_step(self.calibration.model.apply,
-                                         self.plan.weight_gather()))
+    self._eval = jax.jit(make_eval_step(
+        self.calibration.model.apply, self.plan.weight_gather(),
+        build.pipeline_loop(self.config, self.plan, self.calibration.model)))
     linen = isinstance(first, nn.Module)  # (the probe reads linen collections)
     self._health = self._health_probe() if recipe is not None and linen else None
 
@@ -225,6 +226,13 @@ class Trainer:
         print(f"fp8jax train: {line}")
       if self.group_seconds is not None:
         print(f"fp8jax train: {self._balance_line(self.config.microbatches_at(start))}")
+      stages, schedule = (self.config.parallel.pipeline_parallel_size,
+                          self.config.parallel.pipeline_schedule)
+      if stages > 1:
+        k = self.config.microbatches_at(start)
+        print(f"fp8jax train: pipeline of {stages} stages over {k} microbatches "
+              f"({schedule}): bubble {pipeline.bubble_fraction(stages, k, schedule):.1%} "
+              f"of each stage's step")
     print(f"fp8jax train: model {self.run_model.name}, level {self.level.name}, "
           f"{n / 1e6:.2f}M params "
           f"({state_bytes:.2f} bytes/param of weights + optimizer state), {t.steps} steps, "

@@ -1,33 +1,31 @@
-"""Analytic estimate of a train step's peak device memory under remat, per remat policy.
+"""A train step's peak device memory from its config: which terms of the one memory model,
+:func:`fp8jax.parallel.cost_model.device_memory`, a :class:`fp8jax.config.Config`'s run has.
 
-:func:`step_bytes` adds the run's state and one microbatch's activations on one device,
-from the config alone (no tracing, no compile). ``fp8jax.train.build.resolve_auto`` compares
-it with the device's memory to choose ``model.remat_policy``. The terms (P_k: parameters of
-GEMM kernels, split over the tensor-parallel ranks; P_o: the others; N ZeRO shards: the
-devices of the run over the tensor-parallel size; c: bytes of the compute dtype; n tokens of
-s sequences of T tokens per device and microbatch; D, F, L, V, H: width, MLP width, layers,
-vocabulary, heads; F' = F for GELU, 2F for SwiGLU's fused gate and up projection):
+``fp8jax.train.build.choose_auto`` compares :func:`step_bytes` with the device's memory to
+choose ``model.remat_policy``; ``fp8jax simulate`` and :mod:`fp8jax.parallel.sizing` read
+:func:`model_shape`. The terms (state; the backward's gradients, accumulator, decoded,
+gathered and cast weights, activations per remat policy and attention implementation; the
+update) are written in ``device_memory``'s and ``cost_model.activation_bytes``' docstrings.
+From the config come:
 
-state, bytes per parameter
-  master weights       master dtype (f32 4, FP16 2);            / N at ZeRO stage 3
-  Adam m, v            their dtypes (f32 4 + 4, E4M3 1 + FP16 2); / N at stage >= 1
-  gradients            f32 4 (O0, O1); O2/O3: the kernels' compute-dtype copy and its
-                       gradient c + c, the others' f32 gradient 4
-  accumulator          f32 4 with more than one microbatch;       / N at stage >= 2
-  FP8 weight casts     1 per kernel weight (levels with FP8 GEMMs)
-  gathered model       stage 3: kernels in the compute dtype, the others as stored
+* the ZeRO shards (:func:`data_ranks`: the devices the run spans over its tensor- and
+  pipeline-parallel sizes; ``fp8jax.train.build`` counts the devices: one for a run that asks
+  for no parallelism);
+* the level, the ZeRO stage (``Config.zero_stage``), the microbatches of a step
+  (``train.microbatches``; with a batch ramp the step is built for that many) and the
+  sequences each device runs per microbatch (:func:`device_sequences`);
+* the per-group step (``local_grads``) with ``parallel.device_map`` or FP8 gradient
+  communication; the fused O2 update as ``train.fused_optimizer`` takes it on GPUs.
 
-activations (remat on)
-  layer inputs         L n D c
-  working set          n (16 D + 3 F') c: one layer recomputed and differentiated
-  save_gemm_outputs    + L n (4 D + F') c: the qkv, attention-out and MLP-in outputs; with
-                       cuDNN attention its residuals, + L n D c
-  save_gemm_io         + L n (3 D + F) bytes of FP8 input casts (c per element at O0)
-  XLA attention        + s H T^2 x 8: one layer's f32 scores and probabilities
-  logits               n V x 8: f32 logits and their gradient
-
-The terms are meant to err high: a wrong estimate should cost a less saving policy, not an
-out-of-memory step.
+The estimate is meant to err high: a wrong estimate should cost a less saving policy, not an
+out-of-memory step. Against the peaks of benchmarks/RESULTS.md on one H200 (jax 0.11.2, cuDNN
+attention, B8 x T2048, one microbatch) it is above by 1-16% at the 1.3B shape (measured: O0
+full 21.0 GiB, O0 saved 33.8, O2 full 12.5, O2 saved 24.8, O2 io 30.1, io B16 50.1, io B32
+90.8), ~1% for the full 7B config with full remat (O0 103.8, O2 67.7), 8% (O0 saved 36.6) and
+37% (O2 io 24.4) at the 7B layer shape (8 layers). Over several GPUs it has erred low: at the
+7B layer shape, 2 sequences per GPU, ZeRO-1 on 4 H200s, by 1% at O3 (17.5 GiB) and 18% at O0
+(25.7); ZeRO-3 on GPUs was measured only before its per-layer gathers existed (on 8 CPU
+devices at O3: within 15%, tests/integration/test_simulate.py).
 """
 from __future__ import annotations
 
@@ -36,96 +34,110 @@ import math
 import numpy as np
 
 from fp8jax.models.family import family_of
-from fp8jax.models.layers import REMAT_POLICIES
+from fp8jax.parallel import cost_model as cm
 
 GiB = 2**30
-# Against the peaks of benchmarks/RESULTS.md (one H200, jax 0.11.2, cuDNN attention, B8 x T2048)
-# the estimate is 1-16% above at the 1.3B shape (O0 full 21.0 GiB, O0 saved 33.8, O2 full 12.5,
-# saved 24.8, io 30.1, io B16 50.1, io B32 90.8), ~1% above for the full 7B config with full
-# remat (O0 103.8, O2 67.7), 8% (O0 saved) and 37% (O2 io) above at the 7B layer shape.
+REMAT_POLICIES = cm.REMAT_POLICIES
+ATTENTION_IMPLS = cm.ATTENTION_IMPLS
 
 
-def _itemsize(dtype) -> int:
-  return int(np.dtype(dtype).itemsize)
+def _family_config(model):
+  """The family config of a config's model section (itself when already one); ValueError
+  for a builder's module, which has none."""
+  if not hasattr(model, "model_config"):
+    return model
+  cfg = model.model_config()
+  if cfg is None:
+    raise ValueError("the memory model covers the built-in families (model.family gpt or "
+                     f"llama); this config's model comes from model.builder={model.builder!r}")
+  return cfg
 
 
-def _shape(model):
-  """The family config of a config's model section (itself when already one)."""
-  return model.model_config() if hasattr(model, "model_config") else model
+def model_shape(model, remat_policy: str | None = None,
+                attention_impl: str | None = None) -> cm.ModelShape:
+  """The :class:`fp8jax.parallel.cost_model.ModelShape` of a built-in family's config
+  (``ModelConfig``, ``LlamaConfig``) or of a config's model section.
+
+  `remat_policy` / `attention_impl` replace the model's; None keeps it, with "auto" read as
+  the choice that needs the least memory, "full" remat, and cuDNN flash attention (what
+  "auto" takes on the GPUs the cost model covers).
+  """
+  cfg = _family_config(model)
+  fam = family_of(cfg)
+  d, v = cfg.d_model, cfg.vocab_size
+  matmul = fam.matmul_param_count(cfg)
+  # flops_per_token is affine in seq_len: its slope and intercept from two lengths
+  per_position = fam.flops_per_token(cfg, 2) - fam.flops_per_token(cfg, 1)
+  policy = remat_policy or getattr(cfg, "remat_policy", "full")
+  attention = attention_impl or getattr(cfg, "attention_impl", "cudnn")
+  return cm.ModelShape(
+      n_layers=cfg.n_layers, d_model=d, d_ff=cfg.d_ff, vocab_size=v,
+      kernel_params=matmul - (d * v if cfg.tie_embeddings else 0),
+      other_params=v * d + cfg.n_layers * 2 * d + d,  # embedding (a lookup) and norms
+      matmul_params=matmul, flops_per_token_fixed=fam.flops_per_token(cfg, 1) - per_position,
+      flops_per_position=per_position, remat=cfg.remat,
+      layer_kernel_params=(matmul - d * v) // cfg.n_layers, embedding_params=v * d,
+      gated_mlp=getattr(cfg, "mlp", "swiglu") == "swiglu",
+      remat_policy="full" if policy == "auto" else policy,
+      compute_bytes=int(np.dtype(cfg.dtype).itemsize), n_heads=cfg.n_heads,
+      attention_impl="cudnn" if attention == "auto" else attention)
 
 
-def param_counts(model) -> tuple[int, int]:
-  """(GEMM kernel parameters, other parameters) of a built-in family's config (``ModelConfig``,
-  ``LlamaConfig``) or a config's model section: projections and the untied LM head;
-  embedding and norms."""
-  model = _shape(model)
-  d, v = model.d_model, model.vocab_size
-  kernels = family_of(model).matmul_param_count(model) - (d * v if model.tie_embeddings else 0)
-  return kernels, v * d + (2 * model.n_layers + 1) * d
-
-
-def state_bytes(config, devices: int = 1) -> float:
-  """Bytes per device of `config`'s train state and gradients (see the module docstring)
-  on a run over `devices` devices."""
-  level, model, p = config.level(), _shape(config.model), config.parallel
-  tensor = p.tensor_parallel_size
-  shards = max(devices // tensor, 1)
-  stage = config.zero_stage()
-  kernels, others = param_counts(model)
-  kernels = kernels / tensor
-  params = kernels + others
-  c = _itemsize(model.dtype)
-  total = params * _itemsize(level.master_dtype) / (shards if stage >= 3 else 1)
-  total += params * (_itemsize(level.mu_dtype) + _itemsize(level.nu_dtype)) / (
-      shards if stage >= 1 else 1)
-  total += 2 * c * kernels + 4 * others if level.scaled_master else 4 * params
-  if config.train.microbatches > 1:
-    total += 4 * params / (shards if stage >= 2 else 1)
-  if level.fp8_gemms:
-    total += kernels
-  if stage >= 3:
-    total += c * kernels + _itemsize(level.master_dtype) * others
-  return float(total)
-
-
-def activation_bytes(config, remat_policy: str, attention_impl: str,
-                     sequences: int) -> float:
-  """Bytes of one microbatch's activations on one device under remat with `remat_policy`
-  (not "auto") and `attention_impl` ("xla" or "cudnn"), `sequences` sequences of
-  ``config.data.seq_len`` tokens (see the module docstring)."""
-  if remat_policy not in REMAT_POLICIES or remat_policy == "auto":
-    raise ValueError(f"remat_policy={remat_policy!r} is not allowed; use one of "
-                     f"{[p for p in REMAT_POLICIES if p != 'auto']}")
-  if attention_impl not in ("xla", "cudnn"):
-    raise ValueError(f"attention_impl={attention_impl!r} is not allowed; use 'xla' or 'cudnn'")
-  m, t = _shape(config.model), config.data.seq_len
-  d, f, layers = m.d_model, m.d_ff, m.n_layers
-  f_out = 2 * f if m.mlp == "swiglu" else f
-  c = _itemsize(m.dtype)
-  n = sequences * t
-  per_layer = d * c  # the layer's input
-  if remat_policy != "full":
-    per_layer += (4 * d + f_out) * c + (d * c if attention_impl == "cudnn" else 0)
-  if remat_policy == "save_gemm_io":
-    per_layer += (3 * d + f) * (1 if config.level().fp8_gemms else c)
-  total = layers * n * per_layer + n * (16 * d + 3 * f_out) * c + n * m.vocab_size * 8
-  if attention_impl == "xla":
-    total += sequences * m.n_heads * t * t * 8
-  return float(total)
+def data_ranks(config, devices: int = 1) -> int:
+  """Data-parallel ranks (the ZeRO shards) of a run of `config` over `devices` devices: the
+  devices over the tensor- and pipeline-parallel sizes."""
+  p = config.parallel
+  return max(devices // (p.tensor_parallel_size * p.pipeline_parallel_size), 1)
 
 
 def device_sequences(config, devices: int = 1) -> int:
   """Sequences one device runs per microbatch: the microbatch split over the data-parallel
-  ranks (devices / tensor-parallel size), or whole with ``parallel.device_map``."""
+  ranks (:func:`data_ranks`), or whole with ``parallel.device_map``."""
   if config.parallel.device_map is not None:
     return config.train.microbatch_size
-  ranks = max(devices // config.parallel.tensor_parallel_size, 1)
-  return math.ceil(config.train.microbatch_size / ranks)
+  return math.ceil(config.train.microbatch_size / data_ranks(config, devices))
 
 
-def step_bytes(config, remat_policy: str, attention_impl: str, devices: int = 1) -> float:
-  """Estimated peak bytes per device of `config`'s train step under remat with
-  `remat_policy` and `attention_impl`, on a run over `devices` devices:
-  :func:`state_bytes` + :func:`activation_bytes`."""
-  return state_bytes(config, devices) + activation_bytes(
-      config, remat_policy, attention_impl, device_sequences(config, devices))
+def _fused_update(config, devices: int) -> bool:
+  """train.fused_optimizer as ``fp8jax.train.build.fused_update_fn`` resolves it on GPUs."""
+  mode = config.train.fused_optimizer
+  if mode is True or mode is False:
+    return mode
+  return config.level().fused_update and devices == 1 and config.zero_stage() == 0
+
+
+def step_memory(config, remat_policy: str, attention_impl: str, devices: int = 1,
+                emulated: bool = False, assumptions: cm.Assumptions = cm.Assumptions()
+                ) -> cm.DeviceMemory:
+  """Bytes on one device of `config`'s train step by term
+  (:func:`fp8jax.parallel.cost_model.device_memory`), with remat policy `remat_policy` (not
+  "auto") and `attention_impl` ("xla" or "cudnn"), on a run over `devices` devices;
+  `emulated`: the devices run FP8 GEMMs emulated (no FP8 tensor cores); `assumptions`: the
+  model's constants (the default's are H200 measurements)."""
+  if remat_policy not in REMAT_POLICIES:
+    raise ValueError(f"remat_policy={remat_policy!r} is not allowed; use one of "
+                     f"{list(REMAT_POLICIES)}")
+  if attention_impl not in ATTENTION_IMPLS:
+    raise ValueError(f"attention_impl={attention_impl!r} is not allowed; use one of "
+                     f"{list(ATTENTION_IMPLS)}")
+  if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+    raise ValueError(f"devices={devices!r} is not allowed; use an integer >= 1")
+  p, t = config.parallel, config.train
+  layout = cm.Layout(data=data_ranks(config, devices), tensor=p.tensor_parallel_size,
+                     pipeline=p.pipeline_parallel_size)
+  shape = model_shape(config.model, remat_policy, attention_impl)
+  local = p.device_map is not None or config.grad_comm() == "fp8"
+  return cm.device_memory(shape, config.level().name, config.zero_stage(), config.data.seq_len,
+                          device_sequences(config, devices), t.microbatches, layout,
+                          assumptions, emulated=emulated, local_grads=local,
+                          fused_update=_fused_update(config, devices),
+                          whole_params=p.device_map is not None)
+
+
+def step_bytes(config, remat_policy: str, attention_impl: str, devices: int = 1,
+               emulated: bool = False, assumptions: cm.Assumptions = cm.Assumptions()
+               ) -> float:
+  """Estimated peak bytes per device of `config`'s train step: the peak of
+  :func:`step_memory` (same arguments)."""
+  return float(step_memory(config, remat_policy, attention_impl, devices, emulated,
+                           assumptions).peak)

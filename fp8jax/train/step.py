@@ -2,17 +2,22 @@
 
 One step ``(state, batch[, counts]) -> (state, metrics)`` is put together from:
 
-* weight gather (ZeRO-3): in the uniform loop the loss is traced under the plan's
-  ``fp8jax.fsdp.WeightGather``, so the model gathers each parameter where it uses it (FP8
-  kernels as E4M3 bytes inside their GEMM, per layer inside the layer scan); the group loop
-  gathers the whole model once before ``shard_map`` (``gather_params``); none below stage 3;
+* weight gather (ZeRO-3): the loss is traced under the plan's ``fp8jax.fsdp.WeightGather``,
+  so the model gathers each parameter where it uses it (FP8 kernels as E4M3 bytes inside
+  their GEMM, per layer inside the layer scan): XLA places the collectives in the uniform
+  loop, explicit collectives do it inside the group loop's ``shard_map``
+  (``GroupLoop.weight_gather``); none below stage 3;
 * the microbatch loop: :func:`scan_microbatches` (every device runs the same static number of
-  microbatches of the global batch, XLA places the collectives) or :func:`group_microbatches`
+  microbatches of the global batch, XLA places the collectives), :func:`group_microbatches`
   (inside ``jax.shard_map``: each data-parallel group loops over its own number of
-  microbatches with no collective in the loop, then one reduction);
-* gradient reduction: ZeRO's layout constraint (``reduce_gradients``) in the scanned loop, or
+  microbatches with no collective in the loop, then one reduction) or
+  :func:`pipeline_microbatches` (pipeline stages over the mesh's "pipe" axis: the GPipe or
+  1F1B schedule of :mod:`fp8jax.parallel.pipeline`);
+* gradient reduction: ZeRO's layout constraint (``reduce_gradients``) in the scanned and
+  pipeline loops; in the group loop each ZeRO-3 gradient is reduce-scattered where the
+  backward makes it (f32, or FP8 with current scaling), the rest by
   :func:`fp8jax.parallel.grad_comm.reduce_over_groups` (f32 or FP8 with its scaling state)
-  after the group loop;
+  after the loop;
 * the update: :func:`apply_gradients` (the optax transform plus FP16 master weights, or the
   fused O2 update);
 * guards: ``fp8jax.train.guards.skip_nonfinite_steps``.
@@ -37,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fp8jax import fsdp
 from fp8jax.accumulate import accumulate_gradients, accumulator_zeros, widen
@@ -45,8 +50,9 @@ from fp8jax.linen import FP8_COLLECTION, apply_fp8_updates
 from fp8jax.optim import MasterWeights, apply_master_updates
 from fp8jax.parallel import grad_comm as grad_comm_lib
 from fp8jax.parallel import layout
+from fp8jax.parallel import pipeline as pipeline_lib
 from fp8jax.parallel.collectives import CommScaling
-from fp8jax.parallel.mesh import BATCH_AXES
+from fp8jax.parallel.mesh import BATCH_AXES, pipe_size
 from fp8jax.parallel.zero import ZeroPlan
 from fp8jax.scaling import combine_max
 from fp8jax.train import guards
@@ -77,6 +83,15 @@ class GroupLoop:
     comm_scaling: "current" or "auto" (FP8-LM automatic scaling from ``state.comm``; needs
       grad_comm "fp8").
     growth_interval: clean steps before "auto" doubles a pre-scale.
+    weight_gather: ZeRO-3's ``fp8jax.fsdp.WeightGather`` (``ZeroPlan.weight_gather``), or
+      None. Only when every group runs the same number of microbatches (its collectives run
+      inside the loop). The parameters then enter the loop as their shards and the model gathers each one
+      where it uses it with explicit collectives (per layer, inside the layer loop); each
+      gradient is reduce-scattered where it is made (FP8 with current scaling under
+      grad_comm "fp8", else f32), so the loop accumulates only shards. Parameters the model
+      does not gather itself must not be split. Not with comm_scaling "auto".
+    layer_stacks: top-level parameter keys holding layer stacks (a scan slices them along
+      dimension 0: such leaves split along dimension 0 enter whole).
   """
 
   mesh: Mesh
@@ -84,10 +99,34 @@ class GroupLoop:
   grad_comm: str = "native"
   comm_scaling: str = "current"
   growth_interval: int = 1000
+  weight_gather: fsdp.WeightGather | None = None
+  layer_stacks: tuple[str, ...] = ()
 
   def __post_init__(self):
     grad_comm_lib.check_options(self.grad_comm, self.comm_scaling, self.growth_interval)
     object.__setattr__(self, "axes", layout.group_axes(self.mesh, self.axes))
+    if self.weight_gather is not None and self.auto:
+      raise ValueError("comm_scaling='auto' with ZeRO-3's per-layer gradient reduce-scatter "
+                       "is not supported (each layer's gradient is reduced inside its "
+                       "backward, where no scaling state flows); use comm_scaling 'current'")
+
+  def local_gather(self, params):
+    """(the WeightGather for inside ``shard_map``, the params' in_specs, a tree of bools:
+    gradient reduced at use) for global `params`; (None, P(), None) without
+    `weight_gather`."""
+    wg = self.weight_gather
+    if wg is None:
+      return None, P(), None
+    home = jax.tree_util.tree_map_with_path(
+        lambda path, x: wg.specs(jax.tree_util.keystr(path), np.shape(x))[0], params)
+    zero_axes = tuple(a for a in self.axes if any(
+        a in (e if isinstance(e, tuple) else (e,)) for s in jax.tree.leaves(
+            home, is_leaf=lambda x: isinstance(x, P)) for e in s if e is not None))
+    table, specs = fsdp.local_table(params, home, zero_axes or self.axes, dict(self.mesh.shape),
+                                    tuple(self.layer_stacks))
+    reduce = grad_comm_lib.fp8_sum_into if self.grad_comm == "fp8" else None
+    reduced = jax.tree.map(lambda s: s != P(), specs, is_leaf=lambda x: isinstance(x, P))
+    return dataclasses.replace(wg, local=table, reduce=reduce), specs, reduced
 
   @property
   def groups(self) -> int:
@@ -140,7 +179,7 @@ def _max_over_groups(tree, axes):
 
 
 def group_microbatches(grad_fn: Callable, loop: GroupLoop, variables, batch, counts, repeats,
-                       comm):
+                       comm, reduced=None):
   """One group's loop over its own microbatches, then the one cross-group reduction (call
   inside ``shard_map`` over `loop.axes`).
 
@@ -150,6 +189,8 @@ def group_microbatches(grad_fn: Callable, loop: GroupLoop, variables, batch, cou
     repeats: extra forward+backward passes per microbatch whose results are added times zero
       (a slowdown hook for tests and benchmarks: same program, different data).
     comm: ``CommScaling`` (grad_comm "fp8", comm_scaling "auto") or None.
+    reduced: None, or a tree of bools like the parameters: True where the gradient comes
+      out of `grad_fn` already summed over the groups (ZeRO-3 inside the loop).
   Returns (mean loss, gradients, new comm).
   """
   batch, count, repeat = batch[0], counts[0], repeats[0]
@@ -171,17 +212,96 @@ def group_microbatches(grad_fn: Callable, loop: GroupLoop, variables, batch, cou
   loss_sum, acc = lax.fori_loop(0, count, one,
                                 (jnp.zeros((), jnp.float32), accumulator_zeros(variables)))
   total, loss_sum = lax.psum((count.astype(jnp.float32), loss_sum), loop.axes)
-  params, comm = grad_comm_lib.reduce_over_groups(acc["params"], loop.axes, loop.grad_comm,
-                                                  comm, loop.growth_interval)
+  params, comm = _reduce_rest(acc["params"], reduced, loop, comm)
   params = jax.tree.map(lambda g: g / total.astype(g.dtype), params)
   rest = {k: v for k, v in acc.items() if k != "params"}
   grads = {**(_max_over_groups(rest, loop.axes) if rest else {}), "params": params}
   return loss_sum / total, grads, comm
 
 
+def _reduce_rest(grads, reduced, loop: GroupLoop, comm):
+  """`grads` summed over the groups (``grad_comm.reduce_over_groups``) except the leaves
+  `reduced` marks as summed already."""
+  if reduced is None:
+    return grad_comm_lib.reduce_over_groups(grads, loop.axes, loop.grad_comm, comm,
+                                            loop.growth_interval)
+  leaves, treedef = jax.tree.flatten(grads)
+  done = treedef.flatten_up_to(reduced)
+  rest = [g for g, d in zip(leaves, done) if not d]
+  if rest:
+    rest, comm = grad_comm_lib.reduce_over_groups(rest, loop.axes, loop.grad_comm, comm,
+                                                  loop.growth_interval)
+  it = iter(rest)
+  return jax.tree.unflatten(treedef, [g if d else next(it) for g, d in zip(leaves, done)]), comm
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineLoop:
+  """The pipeline loop's settings (see :func:`pipeline_microbatches`).
+
+  Attributes:
+    mesh: the device mesh; its "pipe" axis holds the stages (2 or more).
+    parts: the model cut into ``split(variables) -> (stacked, shared)``, ``merge(stacked,
+      shared)``, ``embed(shared, tokens) -> x``, ``layers(stacked, x) -> x`` and
+      ``logits(shared, x) -> logits`` (``fp8jax.models.layers.DecoderParts``, from
+      ``model.parts()``).
+    schedule: "gpipe" (all forwards, then all backwards: k kept inputs per stage) or "1f1b"
+      (interleaved: at most 2P - 1 kept inputs, a larger bubble; ``fp8jax.parallel.pipeline``).
+  """
+
+  mesh: Mesh
+  parts: Any
+  schedule: str = "gpipe"
+
+  def __post_init__(self):
+    pipeline_lib.check_schedule(self.schedule)
+    if pipe_size(self.mesh) < 2:
+      raise ValueError(f"the pipeline loop needs a mesh with a 'pipe' axis of 2 or more "
+                       f"stages, got axes {dict(self.mesh.shape)}")
+    missing = [m for m in ("split", "merge", "embed", "layers", "logits")
+               if not callable(getattr(self.parts, m, None))]
+    if missing:
+      raise ValueError(f"pipeline parallelism needs the model cut into parts; "
+                       f"{type(self.parts).__name__} has no {missing} (the reference "
+                       f"families give them: model.parts())")
+
+  @property
+  def stages(self) -> int:
+    return pipe_size(self.mesh)
+
+  def stage_fns(self) -> pipeline_lib.Stages:
+    """The model as the schedule's first / stage / last functions (last: mean next-token
+    loss of a microbatch int32[m, T+1])."""
+    parts = self.parts
+    return pipeline_lib.Stages(
+        first=lambda shared, part: parts.embed(shared, part[:, :-1]),
+        stage=parts.layers,
+        last=lambda shared, y, part: cross_entropy(parts.logits(shared, y), part[:, 1:]))
+
+
+def pipeline_microbatches(loop: PipelineLoop, variables, batch, microbatches: int):
+  """The pipeline loop: `batch` int32[B, T+1] split into `microbatches` equal parts run
+  through the stages of ``loop.mesh``'s "pipe" axis (``loop.schedule``: GPipe or 1F1B,
+  :mod:`fp8jax.parallel.pipeline`; each part's sequences stay split over the batch axes).
+  Returns (mean loss, mean
+  parameter gradients in f32 and FP8 state combined by max), as :func:`scan_microbatches`."""
+  if batch.shape[0] % microbatches:
+    raise ValueError(f"batch of {batch.shape[0]} sequences does not split into "
+                     f"{microbatches} microbatches")
+  pipeline_lib.check_stages(loop.stages, microbatches)
+  parts = batch.reshape(microbatches, batch.shape[0] // microbatches, *batch.shape[1:])
+  parts = lax.with_sharding_constraint(
+      parts, NamedSharding(loop.mesh, P(None, layout.group_axes(loop.mesh))))
+  stacked, shared = loop.parts.split(variables)
+  loss, g_stacked, g_shared = pipeline_lib.pipeline_grads(
+      loop.stage_fns(), loop.mesh, stacked, shared, parts, schedule=loop.schedule)
+  grads = loop.parts.merge(g_stacked, g_shared)
+  return loss, {**grads, "params": jax.tree.map(widen, grads["params"])}
+
+
 def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microbatches: int = 1,
                     *, groups: GroupLoop | None = None,
-                    gather_params: Callable | None = None,
+                    pipeline: PipelineLoop | None = None,
                     weight_gather: fsdp.WeightGather | None = None,
                     reduce_gradients: Callable | None = None,
                     fused_update: Callable | None = None,
@@ -194,18 +314,19 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
   `microbatches` parts that run; None: all). With `groups`: ``step(state, batch int32[G, n, m, T+1],
   counts int32[G], repeats int32[G] | None = None)`` running :func:`group_microbatches` inside
   ``shard_map`` (batch and counts sharded over the groups: ``fp8jax.parallel.layout``).
+  With `pipeline`: ``step(state, batch int32[B, T+1]) -> (state, metrics)`` running
+  :func:`pipeline_microbatches`.
 
   Args:
     apply_fn: ``apply_fn(variables, tokens[B, T]) -> logits[B, T, V]``.
     tx: the optimizer (including clipping); it sees parameters only.
     microbatches: equal parts the batch is split into (uniform loop; must divide B).
     groups: run the per-group loop with these settings.
-    gather_params: optional ``params -> params`` applied before the forward (ZeRO-3's weight
-      all-gather, ``ZeroPlan.gather_fn``): differentiated in the uniform loop (its gradient is
-      reduce-scattered back); applied once before ``shard_map`` in the group loop.
+    pipeline: run the pipeline loop with these settings (with `reduce_gradients`,
+      `fused_update` and `matrix_dtype` only; `microbatches` >= its stages).
     weight_gather: optional ``fp8jax.fsdp.WeightGather`` (ZeRO-3, ``ZeroPlan.weight_gather``)
       the loss and its gradient are traced under: the model gathers its sharded parameters
-      where it uses them. Uniform loop only.
+      where it uses them. Uniform loop only (the group loop's is ``groups.weight_gather``).
     reduce_gradients: optional ``grads -> grads`` applied to each microbatch's f32 parameter
       gradients (uniform loop: ZeRO's all-reduce / reduce-scatter layout).
     fused_update: optional ``(master, opt_state, grads, finite, grad_norm) -> (master,
@@ -213,41 +334,41 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
       (:func:`fp8jax.train.optimizer.make_fused_update`).
     cast_weights: optional ``variables -> extra collections`` computed once per step before
       the microbatch loop (``fp8jax.linen.cast_weights``: FP8 weights cast once per optimizer
-      step, not once per microbatch); uniform loop only, not with `gather_params` or
-      `weight_gather` (the weights are gathered at use).
+      step, not once per microbatch); uniform loop only, not with `weight_gather` (the
+      weights are gathered at use).
     matrix_dtype: optional dtype the FP16 master weights' GEMM weights are decoded to for the
       forward and backward (the model's compute dtype, exact for a model that casts them to
       it before use; with `weight_gather` the shards are decoded); gradients are still
-      summed, reduced and clipped in f32. Uniform loop only, not with `gather_params`.
+      summed, reduced and clipped in f32. Uniform loop only.
   Metrics: loss (mean over the step's tokens), grad_norm (before clipping); with automatic
   comm scaling also comm_pre_scale_min and comm_saturated_max over the FP8 leaves.
   """
   if microbatches < 1:
     raise ValueError(f"microbatches={microbatches!r} is not allowed; use an integer >= 1")
-  if cast_weights is not None and (gather_params, weight_gather) != (None, None):
-    raise ValueError("cast_weights with gather_params or weight_gather is not supported: the "
-                     "weights are gathered per microbatch (ZeRO-3); cast them there")
+  if cast_weights is not None and weight_gather is not None:
+    raise ValueError("cast_weights with weight_gather is not supported: the weights are "
+                     "gathered per microbatch (ZeRO-3); cast them there")
   if weight_gather is not None and not isinstance(weight_gather, fsdp.WeightGather):
     raise TypeError(f"weight_gather must be an fp8jax.fsdp.WeightGather, got "
                     f"{type(weight_gather).__name__}")
-  if weight_gather is not None and (groups, gather_params) != (None, None):
-    raise ValueError("weight_gather belongs to the uniform loop and replaces gather_params; "
-                     "pass one of them")
-  if matrix_dtype is not None and gather_params is not None:
-    raise ValueError("matrix_dtype with gather_params is not supported: ZeRO-3 gathers the "
-                     "master weights' payloads itself")
+  if weight_gather is not None and groups is not None:
+    raise ValueError("weight_gather belongs to the uniform loop; the group loop takes "
+                     "groups.weight_gather")
   if matrix_dtype is not None and not jnp.issubdtype(jnp.dtype(matrix_dtype), jnp.floating):
     raise ValueError(f"matrix_dtype={matrix_dtype!r} is not a floating dtype")
   if groups is not None and (cast_weights, matrix_dtype, reduce_gradients) != (None,) * 3:
     raise ValueError("cast_weights, matrix_dtype and reduce_gradients belong to the uniform "
                      "loop; the group loop reduces through groups.grad_comm")
+  if pipeline is not None and (groups, weight_gather, cast_weights) != (None,) * 3:
+    raise ValueError("the pipeline loop takes none of groups, weight_gather and cast_weights "
+                     "(its stages hold their layers' weights)")
+  if pipeline is not None:
+    pipeline_lib.check_stages(pipeline.stages, microbatches)
 
-  def grad_fn(variables, part, extra=None, gather=None):
+  def grad_fn(variables, part, extra=None, at_use=weight_gather):
     def loss_of(v):
-      if gather is not None:
-        v = {**v, "params": gather(v["params"])}
       return next_token_loss(apply_fn, {**v, **(extra or {})}, part)
-    with fsdp.gathering(weight_gather):
+    with fsdp.gathering(at_use):
       loss, g = jax.value_and_grad(loss_of)(variables)
     if reduce_gradients is not None:
       g = {**g, "params": reduce_gradients(jax.tree.map(widen, g["params"]))}
@@ -259,7 +380,7 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
     if cast_weights is not None:  # once, for every microbatch
       extra = cast_weights(jax.lax.stop_gradient(variables))
     loss, grads = scan_microbatches(
-        functools.partial(grad_fn, extra=extra, gather=gather_params), variables, batch,
+        functools.partial(grad_fn, extra=extra), variables, batch,
         microbatches, count)
     # One static microbatch returns its gradient as it comes; the fused update reads it
     # narrow, the rest in f32.
@@ -271,8 +392,6 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
     if repeats is None:
       repeats = jnp.zeros_like(counts)
     variables = state.variables()
-    if gather_params is not None:  # not differentiated: gradients are taken inside
-      variables = {**variables, "params": gather_params(variables["params"])}
     comm = state.comm if groups.auto else None
     if groups.auto:
       want = len(jax.tree.leaves(variables["params"]))
@@ -280,15 +399,25 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
         raise ValueError(f"comm_scaling='auto' needs state.comm = CommScaling of shape "
                          f"[{want}] (one entry per parameter leaf), got "
                          f"{jax.tree.map(jnp.shape, comm)}; use init_grad_comm_scaling(params)")
+    at_use, param_spec, reduced = groups.local_gather(variables["params"])
     grad_spec: Any = P()
-    if groups.grad_comm == "fp8":
+    if groups.grad_comm == "fp8" or at_use is not None:
       grad_spec = {k: P() for k in variables}
-      grad_spec["params"] = grad_comm_lib.grad_specs(variables["params"], groups.axes,
-                                                     groups.groups)
+      grad_spec["params"] = (grad_comm_lib.grad_specs(variables["params"], groups.axes,
+                                                      groups.groups)
+                             if groups.grad_comm == "fp8" else
+                             jax.tree.map(lambda _: P(), variables["params"]))
+    if at_use is not None:  # the leaves reduced at use come out in their home layout
+      grad_spec["params"] = jax.tree.map(lambda s, g, d: s if d else g, param_spec,
+                                         grad_spec["params"], reduced,
+                                         is_leaf=lambda x: isinstance(x, P))
+    var_spec = {k: (param_spec if k == "params" else P()) for k in variables}
     spec = P(groups.axes)
-    local = functools.partial(group_microbatches, grad_fn, groups)
+    local = functools.partial(group_microbatches,
+                              functools.partial(grad_fn, at_use=at_use), groups)
     loss, grads, comm = jax.shard_map(
-        local, mesh=groups.mesh, in_specs=(P(), spec, spec, spec, P()),
+        lambda *a: local(*a, reduced=reduced), mesh=groups.mesh,
+        in_specs=(var_spec, spec, spec, spec, P()),
         out_specs=(P(), grad_spec, P()), check_vma=False)(
         variables, batch, counts, repeats, comm)
     new, metrics = apply_gradients(state, tx, grads, loss, fused_update)
@@ -299,6 +428,15 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
                "comm_saturated_max": jnp.max(comm.saturated[idx])}
     return new._replace(comm=comm), metrics
 
+  def pipelined(state: TrainState, batch):
+    variables = state.variables(matrix_dtype)
+    loss, grads = pipeline_microbatches(pipeline, variables, batch, microbatches)
+    if reduce_gradients is not None:
+      grads = {**grads, "params": reduce_gradients(grads["params"])}
+    return apply_gradients(state, tx, grads, loss, fused_update)
+
+  if pipeline is not None:
+    return pipelined
   return uniform if groups is None else per_group
 
 
@@ -336,10 +474,19 @@ def apply_gradients(state: TrainState, tx: optax.GradientTransformation, grads, 
   return new_state, {"loss": loss, "grad_norm": grad_norm}
 
 
-def make_eval_step(apply_fn: Callable, weight_gather: fsdp.WeightGather | None = None):
+def make_eval_step(apply_fn: Callable, weight_gather: fsdp.WeightGather | None = None,
+                   pipeline: PipelineLoop | None = None):
   """A jittable ``eval_step(state, batch) -> mean loss`` (FP8 state is not updated);
-  `weight_gather`: as for :func:`make_train_step` (ZeRO-3: parameters gathered at use)."""
+  `weight_gather`: as for :func:`make_train_step` (ZeRO-3: parameters gathered at use);
+  `pipeline`: the batch runs through the pipeline stages as one microbatch, forwards only
+  (``fp8jax.parallel.pipeline.gpipe_loss``; `weight_gather` does not apply)."""
   def eval_step(state, batch):
+    if pipeline is not None:
+      stacked, shared = pipeline.parts.split(state.variables())
+      parts = lax.with_sharding_constraint(
+          batch[None], NamedSharding(pipeline.mesh, P(None, layout.group_axes(pipeline.mesh))))
+      return pipeline_lib.pipeline_loss(pipeline.stage_fns(), pipeline.mesh, stacked, shared,
+                                        parts)
     with fsdp.gathering(weight_gather):
       return next_token_loss(apply_fn, state.variables(), batch)
   return eval_step
@@ -367,7 +514,9 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
                grad_comm: str = "native", comm_scaling: str = "current",
                growth_interval: int = 1000, fused_update: Callable | None = None,
                cast_weights: Callable | None = None, matrix_dtype=None,
-               skip_nonfinite: bool = True) -> TrainStep:
+               skip_nonfinite: bool = True, gathers_at_use: bool = True,
+               layer_stacks: Sequence[str] = ("layers",),
+               pipeline: PipelineLoop | None = None) -> TrainStep:
   """The jitted step of `plan`'s layout for a step of `microbatches` microbatches.
 
   Args:
@@ -381,7 +530,17 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
     microbatch_size: sequences per microbatch (needed with `counts` or `dynamic`).
     skip_nonfinite: wrap the step in ``guards.skip_nonfinite_steps`` (metrics gain
       ``skipped``).
+    gathers_at_use: the model gathers its ZeRO-3 parameters where it uses them under an
+      active ``fp8jax.fsdp.WeightGather`` (the reference families: ``Decoder.gathers_at_use``).
+      False: the per-group loop gets them whole (the uniform loop leaves the rest to XLA).
+    layer_stacks: see :class:`GroupLoop` (the reference families scan "layers").
+    pipeline: the pipeline loop's settings (:class:`PipelineLoop` on the plan's mesh);
+      needed when that mesh has pipeline stages, refused otherwise.
     Other arguments: as for :func:`make_train_step`.
+
+  On a mesh with a "pipe" axis the loop is the pipeline's (:func:`pipeline_microbatches`,
+  with the plan's gradient layout; `microbatches` >= the stages; not with `counts`,
+  `dynamic`, `grad_comm` "fp8" or `cast_weights`).
 
   The loop is per group when `counts` is given or `grad_comm` is "fp8" (every group then
   runs all microbatches on its 1/G of each: the uniform split); else the uniform loop with
@@ -406,9 +565,32 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
                        f"microbatches of {microbatch_size} sequences")
     return k
 
-  if per_group:
+  if (pipeline is not None) != (pipe_size(mesh) > 1) or (
+      pipeline is not None and pipeline.mesh != mesh):
+    raise ValueError(f"build_step: a plan whose mesh has {pipe_size(mesh)} pipeline stages "
+                     f"needs {'a PipelineLoop on that mesh' if pipe_size(mesh) > 1 else 'no'} "
+                     f"pipeline, got {pipeline!r}")
+  if pipeline is not None:
+    unsupported = {"counts": counts is not None, "dynamic": dynamic,
+                   "grad_comm='fp8'": grad_comm == "fp8", "cast_weights": cast_weights is not None}
+    if any(unsupported.values()):
+      raise ValueError(f"build_step: pipeline parallelism ({pipe_size(mesh)} stages) does not "
+                       f"support {[k for k, v in unsupported.items() if v]} yet; leave them out")
+    step = make_train_step(apply_fn, tx, microbatches, pipeline=pipeline,
+                           reduce_gradients=plan.reduce_fn(), fused_update=fused_update,
+                           matrix_dtype=matrix_dtype)
+    place = lambda batch: (layout.put_global(batch, sharding),)
+    batch_shardings = (sharding,)
+  elif per_group:
+    # ZeRO-3: a model that gathers its parameters at use does it inside the loop when every
+    # group runs the same count (the loop's collectives then line up across groups); with
+    # per-group counts, or a model that does not, the parameters come whole (XLA gathers
+    # them before the loop)
+    at_use = gathers_at_use and counts is None
     loop = GroupLoop(mesh, grad_comm=grad_comm, comm_scaling=comm_scaling,
-                     growth_interval=growth_interval)
+                     growth_interval=growth_interval,
+                     weight_gather=plan.weight_gather() if at_use else None,
+                     layer_stacks=tuple(layer_stacks))
     n = loop.groups
     if counts is not None:
       split = functools.lru_cache(maxsize=None)(
@@ -423,7 +605,6 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
       arrange = lambda batch, k, c: layout.layout_split(batch, k, n)
     slots = max(max(split(k)) for k in sizes)
     step = make_train_step(apply_fn, tx, microbatches, groups=loop,
-                           gather_params=plan.gather_fn(),
                            fused_update=fused_update)
 
     def place(batch):

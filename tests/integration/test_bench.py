@@ -85,6 +85,29 @@ def test_step_times_o0_against_o2(key, tmp_path, capsys):
     assert r["mfu"] is None  # no peak FLOP/s is known for a CPU
 
 
+def test_step_reports_a_run_that_runs_out_of_memory_and_goes_on(monkeypatch):
+  """A variant that exhausts device memory becomes a note of the table, the other runs are
+  still measured; a baseline that does not fit is refused (no ratio without it)."""
+  from fp8jax.bench import step as bench_step
+
+  def fake(config, level, overrides, iters, log=print):
+    if "train.batch_size=64" in overrides:
+      raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to "
+                                       "allocate 62.38GiB")
+    return {"batch": 8, "ms": 10.0, "tokens_per_s": 1000.0 if level == "O0" else 1500.0,
+            "tflops": None, "mfu": None, "gib": 1.0, "loss": 5.0, "compile_s": 1.0,
+            "skipped": False, "skipped_steps": 0}
+  monkeypatch.setattr(bench_step, "time_run", fake)
+  runs = [("O0", "O0", []), ("O2 big", "O2", ["train.batch_size=64"]), ("O2", "O2", [])]
+  table = bench_step.measure(None, runs, log=lambda m: None)
+  assert [r.label for r in table.rows] == ["O0", "O2"]
+  assert table.rows[1].values["x_base"] == pytest.approx(1.5)
+  assert any(n.startswith("O2 big: out of device memory (Out of memory while trying")
+             for n in table.notes), table.notes
+  with pytest.raises(ValueError, match="the baseline run 'O2 big' ran out of device memory"):
+    bench_step.measure(None, runs[1:], log=lambda m: None)
+
+
 def test_optim_times_the_o2_update_against_optax(key, tmp_path, capsys):
   out, doc = _bench(["optim", "--small", "--modes", "optax,clip_optax,clip_o2_fused",
                      "--seed", str(_seed(key))], tmp_path, capsys)

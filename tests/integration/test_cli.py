@@ -115,8 +115,9 @@ def test_train_help_names_the_base_config():
 
 
 def test_simulate_warns_when_the_batch_cannot_cover_the_gpus():
+  # (1.3B: its balanced splits fit, also at ZeRO-3, where they take the whole model)
   result = _cli(["simulate", "--cluster", "8xA100-80GB+8xH100-SXM", "--config",
-                 "configs/gpt_7b.yaml"])
+                 "configs/gpt_1_3b.yaml"])
   assert result.returncode == 0, result.stderr[-3000:]
   assert _last_line(result.stderr).startswith(
       "fp8jax simulate: warning: the global batch of 8 sequences does not split equally over "

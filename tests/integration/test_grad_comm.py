@@ -236,3 +236,34 @@ def test_auto_means_native():
   assert load_config(None).parallel.grad_comm == "auto"
   assert load_config(None).grad_comm() == "native"
   assert load_config(None, ["parallel.grad_comm=fp8"]).grad_comm() == "fp8"
+
+
+def test_o3_zero3_fp8_reduce_scatter_tracks_native_over_100_steps():
+  """The jitted O3 step at ZeRO-3 with each layer's gradients reduce-scattered in FP8 inside
+  the layer loop (grad_comm fp8) against the native step, 100 steps of a tiny model on fresh
+  random batches from the same state: every loss within 1% (one E4M3 rounding per group's
+  gradient, ~3% of each update, does not accumulate: Adam normalizes each step)."""
+  from fp8jax.models.gpt import ModelConfig
+  from fp8jax.recipe import opt_level
+  from test_zero import _setup
+  from fp8jax import parallel
+  cfg = ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=16)
+  level = opt_level("O3")
+  model, tx, init = _setup(cfg, level)
+  plan = parallel.plan(jax.eval_shape(init), make_mesh(data=GROUPS), 3, level=level)
+  rng = np.random.default_rng(_seed())
+  data = [rng.integers(0, 256, (GROUPS, 17), dtype=np.int32) for _ in range(100)]
+  losses = {}
+  for grad_comm in ("native", "fp8"):
+    built = build_step(model.apply, tx, plan, 1, grad_comm=grad_comm, microbatch_size=GROUPS)
+    state, out = plan.shard_state(init()), []
+    for b in data:
+      state, m = built(state, b)
+      out.append(float(m["loss"]))
+    losses[grad_comm] = np.asarray(out)
+  gap = np.abs(losses["fp8"] - losses["native"]) / losses["native"]
+  print(f"loss {losses['native'][0]:.3f} -> {losses['native'][-1]:.3f}; max relative gap "
+        f"{gap.max():.2e}")
+  # it trains: uniform random tokens' loss falls towards their entropy, ln 256 = 5.55
+  assert losses["native"][-1] < losses["native"][0] - 0.1
+  assert np.isfinite(losses["fp8"]).all() and gap.max() < 1e-2

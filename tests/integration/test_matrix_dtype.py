@@ -120,8 +120,6 @@ def test_bad_matrix_dtype_is_refused():
   model, tx, _, _ = _setup()
   with pytest.raises(ValueError, match="matrix_dtype=.*int8.* is not a floating dtype"):
     make_train_step(model.apply, tx, 1, matrix_dtype=jnp.int8)
-  with pytest.raises(ValueError, match="matrix_dtype with gather_params is not supported"):
-    make_train_step(model.apply, tx, 1, matrix_dtype=jnp.bfloat16, gather_params=lambda p: p)
 
 
 def test_fused_step_reads_narrow_plain_gradients(key):

@@ -42,8 +42,8 @@ def test_cli_train_writes_logs_and_plot(tmp_path, capsys):
 
 def test_cli_train_refuses_a_bad_config_with_a_clear_message(tmp_path):
   result = subprocess.run([sys.executable, "-m", "fp8jax.cli", "train", "--config", TINY,
-                           "--set", "parallel.pipeline_parallel_size=2"], capture_output=True,
+                           "--set", "model.dropout_rate=0.1"], capture_output=True,
                           text=True, timeout=300, cwd=tmp_path)
   assert result.returncode != 0
-  assert "parallel.pipeline_parallel_size=2" in result.stderr
+  assert "model.dropout_rate=0.1" in result.stderr
   assert "not supported yet" in result.stderr

@@ -6,8 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import fp8jax
+from fp8jax import fsdp, parallel
 from fp8jax.dot import SAVE_FP8_WEIGHTS
 from fp8jax.models import GPT, ModelConfig, init_model, next_token_loss
 
@@ -202,7 +204,6 @@ def test_bad_weight_casts_are_refused(key):
   with pytest.raises(TypeError, match="weight_cast must be an fp8jax.dot.WeightCast"):
     fp8jax.dot.fp8_dot_general_chained(x, w, dn, meta, RECIPE, weight_cast=tuple(good))
   from fp8jax.train.step import make_train_step
-  with pytest.raises(ValueError, match="cast_weights with gather_params or weight_gather is not "
-                                       "supported"):
-    make_train_step(lambda v, t: t, None, 2, gather_params=lambda p: p,
-                    cast_weights=lambda v: {})
+  with pytest.raises(ValueError, match="cast_weights with weight_gather is not supported"):
+    make_train_step(lambda v, t: t, None, 2, cast_weights=lambda v: {},
+                    weight_gather=fsdp.WeightGather(parallel.make_mesh(), lambda p, s: (P(), P())))

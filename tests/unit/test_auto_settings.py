@@ -168,23 +168,84 @@ def test_bad_devices_are_refused():
 
 
 def test_estimate_terms():
-  """The estimate's policy terms as the module docstring writes them (bf16, GELU)."""
+  """The config's terms of the memory model (fp8jax.parallel.cost_model.device_memory): the
+  activations per remat policy and attention implementation (bf16, GELU), the state and
+  gradients at O1 on one device, ZeRO-1's moments over 8."""
   cfg = _gpt_1_3b("train.opt_level=O1")
-  m, n = cfg.model, cfg.train.microbatch_size * cfg.data.seq_len
-  d, f, layers = m.d_model, m.d_ff, m.n_layers
-  full = memory.activation_bytes(cfg, "full", "cudnn", cfg.train.microbatch_size)
-  outputs = memory.activation_bytes(cfg, "save_gemm_outputs", "cudnn",
-                                    cfg.train.microbatch_size)
-  io = memory.activation_bytes(cfg, "save_gemm_io", "cudnn", cfg.train.microbatch_size)
-  assert outputs - full == layers * n * (4 * d + f + d) * 2
-  assert io - outputs == layers * n * (3 * d + f) * 1  # FP8 input casts
-  xla = memory.activation_bytes(cfg, "full", "xla", cfg.train.microbatch_size)
-  assert xla - full == cfg.train.microbatch_size * m.n_heads * cfg.data.seq_len ** 2 * 8
+  m, s = cfg.model, cfg.train.microbatch_size
+  n, d, f, layers = s * cfg.data.seq_len, m.d_model, m.d_ff, m.n_layers
+
+  def act(policy, attention):
+    return memory.step_memory(cfg, policy, attention).backward["activations"]
+  assert act("save_gemm_outputs", "cudnn") - act("full", "cudnn") == \
+      layers * n * (4 * d + f + d) * 2  # GEMM outputs and cuDNN attention's residuals
+  assert act("save_gemm_outputs", "xla") - act("full", "xla") == layers * n * (4 * d + f) * 2
+  assert act("save_gemm_io", "cudnn") - act("save_gemm_outputs", "cudnn") == \
+      layers * n * (3 * d + f) * 1  # FP8 input casts
+  assert act("full", "xla") - act("full", "cudnn") == s * m.n_heads * cfg.data.seq_len ** 2 * 8
   with pytest.raises(ValueError, match="remat_policy='auto' is not allowed"):
-    memory.activation_bytes(cfg, "auto", "xla", 1)
+    memory.step_bytes(cfg, "auto", "xla")
+  with pytest.raises(ValueError, match="attention_impl='flash' is not allowed"):
+    memory.step_bytes(cfg, "full", "flash")
+  with pytest.raises(ValueError, match="devices=0 is not allowed"):
+    memory.step_bytes(cfg, "full", "xla", devices=0)
+  params = memory.model_shape(m).params
+  one = memory.step_memory(cfg, "full", "cudnn")
+  # f32 master 4 + m 4 + v 4 (+ FP8 meta); f32 gradients, no accumulator for one microbatch
+  assert sum(one.state.values()) == pytest.approx(12 * params, rel=1e-4)
+  assert one.backward["gradients"] == 4 * params and "accumulator" not in one.backward
+  two = memory.step_memory(_gpt_1_3b("train.opt_level=O1", "train.microbatches=2"), "full",
+                           "cudnn")
+  assert two.backward["accumulator"] == 4 * params
   # ZeRO stage 1 over 8 devices shards Adam's moments: 8 bytes/param at O1 -> 1 each
-  one = memory.state_bytes(cfg, devices=1)
-  sharded = memory.state_bytes(dataclasses.replace(
-      cfg, parallel=dataclasses.replace(cfg.parallel, zero_stage=1)), devices=8)
-  params = sum(memory.param_counts(m))
-  assert one - sharded == pytest.approx(params * 8 * 7 / 8)
+  sharded = memory.step_memory(dataclasses.replace(
+      cfg, parallel=dataclasses.replace(cfg.parallel, zero_stage=1)), "full", "cudnn", 8)
+  assert one.state["Adam moments"] - sharded.state["Adam moments"] == \
+      pytest.approx(params * 8 * 7 / 8)
+  assert memory.step_bytes(cfg, "full", "cudnn") == one.peak
+
+
+def test_estimate_follows_the_step_the_config_builds():
+  """Which step the config runs decides the terms: the fused O2 update on one device (unless
+  train.fused_optimizer is false), ZeRO-3's per-layer gathers, the per-group step with FP8
+  gradient communication or a device_map, FP8 emulated on devices without FP8 GEMMs."""
+  o2 = _gpt_1_3b("train.opt_level=O2")
+  shape = memory.model_shape(o2.model)
+  k, o = shape.kernel_params, shape.other_params
+  fused = memory.step_memory(o2, "full", "cudnn")
+  assert fused.backward["gradients"] == 2 * k + 4 * o  # BF16 kernel gradients as they come
+  assert fused.update["update temporaries"] == 0
+  composed = memory.step_memory(_gpt_1_3b("train.opt_level=O2", "train.fused_optimizer=false"),
+                                "full", "cudnn")
+  assert composed.backward["gradients"] == 4 * (k + o) and composed.update[
+      "update temporaries"] == 3 * (k + o)
+  # ZeRO-3 over 8: 2 layers' E4M3 kernels gathered at a time, not the whole model
+  z3 = memory.step_memory(_gpt_1_3b("train.opt_level=O3", "parallel.zero_stage=3"), "full",
+                          "cudnn", devices=8)
+  assert z3.backward["gathered weights"] == 2 * shape.layer_kernels
+  assert z3.state["master weights"] == 2 * (k + o) / 8
+  z1 = memory.step_bytes(_gpt_1_3b("train.opt_level=O3", "parallel.zero_stage=1"), "full",
+                         "cudnn", devices=8)
+  assert z3.peak < 0.5 * z1
+  # the per-group step: an f32 accumulator with one microbatch, f32 decoded weights
+  local = memory.step_memory(_gpt_1_3b("train.opt_level=O3", "parallel.zero_stage=3",
+                                        "parallel.grad_comm=fp8"), "full", "cudnn", devices=8)
+  assert local.backward["accumulator"] == 4 * (k + o) / 8
+  assert local.backward["decoded weights"] == 4 * (k + o) / 8
+  assert "accumulator" not in z3.backward
+  # balanced (per-group counts): the whole model decoded to f32 and gathered before the loop,
+  # whole f32 gradients and accumulator
+  bal = memory.step_memory(_gpt_1_3b("train.opt_level=O3", "parallel.zero_stage=3",
+                                     "parallel.device_map={H200: 1.0}"), "full", "cudnn",
+                           devices=8)
+  assert bal.backward["gathered model"] == bal.backward["accumulator"] == 4 * (k + o)
+  assert "gathered weights" not in bal.backward
+  emulated = memory.step_memory(o2, "full", "cudnn", emulated=True)
+  assert emulated.backward["widened FP8 weight"] == 2 * shape.largest_kernel
+  # choose_auto estimates an A100 (no FP8 GEMMs) with the widened weight: a memory between
+  # the two estimates fits save_gemm_io on an H200, not on an A100
+  est = memory.step_bytes(o2, "save_gemm_io", "cudnn", emulated=True)
+  between = est - shape.largest_kernel  # the native estimate is 2 x largest_kernel less
+  for report, policy in ((A100, "save_gemm_outputs"), (H200, "save_gemm_io")):
+    choice = build.choose_auto(o2, [_with_memory(report, between)])
+    assert choice.settings["remat_policy"] == policy, report

@@ -225,3 +225,43 @@ def test_bad_input_is_refused(key):
   with pytest.raises(ValueError, match=r"weight_shardings inside shard_map is not supported"):
     jax.shard_map(inside, mesh=mesh, in_specs=(P("z"), P()), out_specs=P("z"))(
         jnp.ones((8, 8, 64)), w)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_local_layouts_gather_and_reduce_scatter_inside_shard_map(key, dim):
+  """Inside shard_map (the per-group loop at ZeRO-3) a parameter arrives as its shard
+  (``fsdp.Local``): gathered it is the whole parameter, bit for bit (its bits all-gathered),
+  and its gradient comes out as this device's chunk of the sum over the devices: f32
+  ``psum_scatter`` to f32 summation order; with the FP8 reduce (``grad_comm.fp8_sum_into``) one
+  E4M3 rounding of each device's part, sent as 1-byte payloads."""
+  from fp8jax.parallel.grad_comm import fp8_sum_into
+  mesh = _mesh()
+  k1, k2, k3 = jax.random.split(key, 3)
+  x = jax.random.normal(k1, (16, 8, 64))  # the batch split over the 8 devices
+  w = jax.random.normal(k2, (64, 48)) * 0.05
+  c = jax.random.normal(k3, (16, 8, 48))  # the loss's cotangent
+  spec = [None, None]
+  spec[dim] = "z"
+  loss = lambda x, w, c: jnp.sum(jnp.einsum("btk,kn->btn", x, w) * c)
+
+  def local(x, w, c, reduce):
+    home = fsdp.Local(dim, ("z",), reduce=reduce)
+    full = fsdp.Local(dim, ("z",), gathered=True, reduce=reduce)
+    whole = lambda w: fsdp.gather_array(w, home, full)
+    return whole(w), jax.grad(lambda w: loss(x, whole(w), c))(w)
+
+  ref_dw = jax.jit(jax.grad(loss, 1))(x, w, c)
+  outs, hlo = {}, {}
+  for name, reduce in (("f32", None), ("fp8", fp8_sum_into)):
+    fn = jax.jit(jax.shard_map(
+        lambda x, w, c: local(x, w, c, reduce), mesh=mesh,
+        in_specs=(P("z"), P(*spec), P("z")), out_specs=(P(), P(*spec)), check_vma=False))
+    outs[name] = fn(x, w, c)
+    hlo[name] = fn.lower(x, w, c).compile().as_text()
+  np.testing.assert_array_equal(np.asarray(outs["f32"][0]), np.asarray(w))
+  assert rel_err(outs["f32"][1], ref_dw) < 1e-5
+  fp8_err = rel_err(outs["fp8"][1], ref_dw)
+  print(f"dim {dim}: FP8 reduce-scatter error {fp8_err:.2e}")
+  assert 1e-3 < fp8_err < 2.0 ** -4  # one E4M3 rounding per device's part (relative 2**-4)
+  assert re.search(r"u8\[[\d,]*\][^ ]* all-to-all\(", hlo["fp8"]), "no 1-byte all-to-all"
+  assert "reduce-scatter(" in hlo["f32"] or "all-reduce(" in hlo["f32"]

@@ -1,0 +1,329 @@
+"""Pipeline parallelism: GPipe and 1F1B schedules over the mesh's "pipe" axis, generic over the
+stage function.
+
+A model is cut into three functions (the reference decoder's cut:
+``fp8jax.models.layers.DecoderParts``):
+
+* ``first(shared, part) -> x``: stage 0's input from a microbatch (the embedding);
+* ``stage(stacked, x) -> y``: one stage's slice of the stacked layers (leading layer axis
+  [L/P, ...]), y shaped like x (the residual stream);
+* ``last(shared, y, part) -> loss``: the last stage's output to the microbatch's mean loss
+  (final norm, head, cross entropy).
+
+`stacked` holds the variables of the stacked layers (parameters and FP8 state), split over
+"pipe" along their layer axis (:func:`pipe_dim`: stage s holds layers [s L/P, (s+1) L/P));
+`shared` the other variables, whole on every stage.
+
+The schedule (:func:`gpipe`, inside ``jax.shard_map`` manual over "pipe", other mesh axes
+``Auto``, so data/ZeRO/tensor sharding composes through XLA's partitioner as in the uniform
+step): k >= P microbatches, P stages.
+
+* Forward phase, k + P - 1 ticks: at tick t stage s runs microbatch m = t - s, keeps only its
+  input x (one activation [mb, T, D] per microbatch) and sends its output to stage s + 1
+  (``lax.ppermute``). The last stage only keeps its input.
+* Backward phase, k + P - 1 ticks: at tick t stage s runs microbatch m = t - (P - 1 - s):
+  ``jax.vjp`` of its stage function at the kept input (the stage's forward runs again: a
+  stage-level rematerialization), the last stage starting from the gradient of `last`, and
+  sends the input's gradient to stage s - 1; stage 0 takes it into `first`'s gradient.
+
+:func:`one_f_one_b` runs the same slots interleaved (a forward and a backward per tick),
+keeping at most 2P - 1 inputs per stage instead of k, for a larger bubble (all stages run in
+lockstep, one program): 2(P - 1) / (k + 2(P - 1)).
+
+A (stage, tick) slot outside 0 <= m < k is a bubble: it computes nothing (``lax.cond``) and
+leaves every accumulator unchanged. Gradients are not differentiated through the schedule:
+each slot's gradient is accumulated explicitly with ``fp8jax.accumulate_gradients``
+(parameters summed in f32, FP8 state combined by max), so the FP8 state's update is the
+max-combination over microbatches, as in the uniform loop. The bubble (idle) fraction of a
+stage is (P - 1) / (k + P - 1) with GPipe (:func:`bubble_fraction`).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from fp8jax.accumulate import accumulate_gradients, accumulator_zeros, mean_gradients
+from fp8jax.parallel.mesh import PIPE, pipe_size
+from fp8jax.scaling import Fp8Meta, combine_max
+
+# The key-path piece of the stacked layers' variables (the reference decoder's ``nn.scan``
+# over its blocks is named "layers"): every array below it has a leading layer axis.
+STACK_PIECE = "['layers']"
+SCHEDULES = ("gpipe", "1f1b")
+
+
+class Stages(NamedTuple):
+  """A model cut for the pipeline (see the module docstring for each function's contract)."""
+
+  first: Callable
+  stage: Callable
+  last: Callable
+
+
+def pipe_dim(path: str, shape, mesh: Mesh) -> int | None:
+  """0 (the layer axis, split over "pipe") for an array of the stacked layers (`path`, a
+  ``jax.tree_util.keystr``, contains :data:`STACK_PIECE`) on a mesh with pipeline stages;
+  None otherwise. ValueError when the layer count does not split over the stages."""
+  stages = pipe_size(mesh)
+  if stages == 1 or STACK_PIECE not in path or len(shape) == 0:
+    return None
+  if shape[0] % stages:
+    raise ValueError(f"{path} has {shape[0]} layers, which do not split over "
+                     f"{stages} pipeline stages; use a pipeline size that divides the layer "
+                     f"count")
+  return 0
+
+
+def check_stages(stages: int, microbatches: int) -> None:
+  """Raises ValueError unless `microbatches` >= `stages` >= 1 (every stage needs a
+  microbatch; the layers' split is checked where they are laid out: :func:`pipe_dim`)."""
+  if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+    raise ValueError(f"pipeline stages={stages!r} is not allowed; use an integer >= 1")
+  if microbatches < stages:
+    raise ValueError(f"a pipeline of {stages} stages needs at least {stages} microbatches per "
+                     f"step, got {microbatches}; use more microbatches (or fewer stages)")
+
+
+def check_schedule(schedule: str) -> str:
+  """`schedule` if it is one of :data:`SCHEDULES`, else ValueError."""
+  if schedule not in SCHEDULES:
+    raise ValueError(f"pipeline schedule {schedule!r} is not allowed; use one of "
+                     f"{list(SCHEDULES)}")
+  return schedule
+
+
+def bubble_fraction(stages: int, microbatches: int, schedule: str = "gpipe") -> float:
+  """The fraction of a step each stage idles: (P - 1) / (k + P - 1) with GPipe,
+  2(P - 1) / (k + 2(P - 1)) with the lockstep 1F1B of :func:`one_f_one_b`."""
+  check_stages(stages, microbatches)
+  fill = (stages - 1) * (2 if check_schedule(schedule) == "1f1b" else 1)
+  return fill / (microbatches + fill)
+
+
+def _zeros(shapes):
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def _select(pred, new, old):
+  """`new` where `pred` (a scalar) holds, else `old`, leaf by leaf."""
+  return jax.tree.map(lambda n, o: jnp.where(pred, n, o), new, old)
+
+
+def _combine_over(tree, axis: str, stages: int):
+  """Gradients summed over `axis`, FP8 state combined by max over it."""
+  def one(x):
+    if not isinstance(x, Fp8Meta):
+      return lax.psum(x, axis)
+    every = lax.all_gather(x, axis)
+    return functools.reduce(combine_max, [jax.tree.map(lambda a, j=j: a[j], every)
+                                          for j in range(stages)])
+  return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, Fp8Meta))
+
+
+class _Slots:
+  """What one stage does in a (stage, tick) slot of a schedule: the pieces both schedules are
+  made of (inside ``shard_map``; see :func:`gpipe`)."""
+
+  def __init__(self, fns: Stages, stacked, shared, parts, stages: int, axis: str):
+    self.fns, self.stacked, self.shared, self.parts = fns, stacked, shared, parts
+    self.k, self.stages, self.axis = parts.shape[0], stages, axis
+    s = lax.axis_index(axis)
+    self.s, self.first, self.last = s, s == 0, s == stages - 1
+    x = jax.eval_shape(fns.first, shared, parts[0])
+    self.x0 = jnp.zeros(x.shape, x.dtype)
+
+  def slot(self, t, offset):
+    """(ran, index, microbatch) of microbatch t - offset: ran is False in a bubble (the index
+    is then clipped into range, and nothing may use the slot's results)."""
+    m = t - offset
+    i = jnp.clip(m, 0, self.k - 1)
+    return (m >= 0) & (m < self.k), i, lax.dynamic_index_in_dim(self.parts, i, keepdims=False)
+
+  def forward(self, recv, ran, part):
+    """(x, y): the stage's input (stage 0: `first` of the microbatch, else `recv`) and its
+    output (the last stage's is x: it runs its layers in its backward slot)."""
+    x = lax.cond(self.first & ran, lambda: self.fns.first(self.shared, part), lambda: recv)
+    y = lax.cond(ran & ~self.last, lambda: self.fns.stage(self.stacked, x), lambda: x)
+    return x, y
+
+  def send(self, y, direction: int):
+    """`y` to the next (+1) or previous (-1) stage; the end stages receive zeros."""
+    pairs = [(j, j + 1) for j in range(self.stages - 1)]
+    return lax.ppermute(y, self.axis, pairs if direction > 0 else [(b, a) for a, b in pairs])
+
+  def _head(self, y, part):
+    loss, (g_shared, dy) = jax.value_and_grad(self.fns.last, argnums=(0, 1))(self.shared, y,
+                                                                             part)
+    return loss, g_shared, dy
+
+  def _backward(self, x, g_in, part):
+    y, stage_vjp = jax.vjp(self.fns.stage, self.stacked, x)
+    shapes = jax.eval_shape(self._head, y, part)
+    loss, g_shared, dy = lax.cond(self.last, lambda: self._head(y, part),
+                                  lambda: (*_zeros(shapes[:2]), g_in.astype(y.dtype)))
+    g_stacked, dx = stage_vjp(dy)
+    g_first = lax.cond(self.first,
+                       lambda: jax.vjp(lambda sh: self.fns.first(sh, part), self.shared)[1](
+                           dx)[0],
+                       lambda: jax.tree.map(jnp.zeros_like, self.shared))
+    return loss, g_stacked, accumulate_gradients(g_shared, g_first), dx
+
+  def backward(self, acc, x, g_in, ran, part):
+    """The stage's backward of a microbatch from its kept input `x` (its layers' forward
+    again under ``jax.vjp``; the last stage starts from `last`'s gradient, stage 0 ends in
+    `first`'s), added into `acc` = (loss sum, stacked gradients, shared gradients) unless
+    the slot is a bubble. Returns (acc, the input's gradient)."""
+    shapes = jax.eval_shape(self._backward, x, g_in, part)
+    loss, g_stacked, g_shared, dx = lax.cond(ran, lambda: self._backward(x, g_in, part),
+                                             lambda: _zeros(shapes))
+    loss_sum, acc_stacked, acc_shared = acc
+    return (loss_sum + jnp.where(ran, loss, 0.0),
+            _select(ran, accumulate_gradients(acc_stacked, g_stacked), acc_stacked),
+            _select(ran, accumulate_gradients(acc_shared, g_shared), acc_shared)), dx
+
+  def zeros(self):
+    """The accumulators (loss sum, stacked gradients, shared gradients) before any slot."""
+    return (jnp.zeros((), jnp.float32), accumulator_zeros(self.stacked),
+            accumulator_zeros(self.shared))
+
+  def result(self, acc):
+    """(mean loss, mean stacked gradients, mean shared gradients combined over the
+    stages)."""
+    loss_sum, acc_stacked, acc_shared = acc
+    return (lax.psum(loss_sum, self.axis) / self.k, mean_gradients(acc_stacked, self.k),
+            mean_gradients(_combine_over(acc_shared, self.axis, self.stages), self.k))
+
+
+def _keep(saved, j, x, ran):
+  """`saved` with `x` at index `j` when `ran`."""
+  old = lax.dynamic_index_in_dim(saved, j, keepdims=False)
+  return lax.dynamic_update_index_in_dim(saved, jnp.where(ran, x, old), j, 0)
+
+
+def gpipe(fns: Stages, stacked, shared, parts, *, stages: int, axis: str = PIPE):
+  """One step's loss and gradients under the GPipe schedule (call inside ``jax.shard_map``
+  manual over `axis`; see the module docstring): k + P - 1 forward ticks, then k + P - 1
+  backward ticks; each stage keeps k inputs.
+
+  Args:
+    fns: the model's :class:`Stages`.
+    stacked: this stage's slice of the stacked variables ([L/P, ...] leaves).
+    shared: the other variables (whole).
+    parts: int32[k, mb, T+1], the step's k microbatches (the same on every stage).
+    stages: P, the size of `axis`.
+  Returns (mean loss over the microbatches, this stage's gradient of `stacked`, the gradient
+  of `shared`): parameter gradients are means over the microbatches (summed in f32), FP8
+  state the max-combined update; `shared`'s is the same on every stage.
+  """
+  check_stages(stages, parts.shape[0])
+  p = _Slots(fns, stacked, shared, parts, stages, axis)
+  ticks = jnp.arange(p.k + stages - 1)
+
+  def forward(carry, t):
+    recv, saved = carry
+    ran, i, part = p.slot(t, p.s)
+    x, y = p.forward(recv, ran, part)
+    return (p.send(y, +1), _keep(saved, i, x, ran)), None
+
+  saved = jnp.zeros((p.k, *p.x0.shape), p.x0.dtype)
+  (_, saved), _ = lax.scan(forward, (p.x0, saved), ticks)
+
+  def backward(carry, t):
+    recv, acc = carry
+    ran, i, part = p.slot(t, stages - 1 - p.s)
+    x = lax.dynamic_index_in_dim(saved, i, keepdims=False)
+    acc, dx = p.backward(acc, x, recv, ran, part)
+    return (p.send(dx, -1), acc), None
+
+  (_, acc), _ = lax.scan(backward, (p.x0, p.zeros()), ticks)
+  return p.result(acc)
+
+
+def one_f_one_b(fns: Stages, stacked, shared, parts, *, stages: int, axis: str = PIPE):
+  """:func:`gpipe`'s result under the 1F1B schedule: k + 2(P - 1) ticks, in each of which
+  stage s runs the forward of microbatch t - s and the backward of microbatch
+  t - 2(P - 1) + s (the last stage both of the same one), so a stage keeps at most 2P - 1
+  inputs (a ring) instead of k. The stages run in lockstep (one program), so a tick lasts a
+  forward plus a backward everywhere: the bubble is 2(P - 1) / (k + 2(P - 1)) of the step,
+  against GPipe's (P - 1) / (k + P - 1)."""
+  check_stages(stages, parts.shape[0])
+  p = _Slots(fns, stacked, shared, parts, stages, axis)
+  ring = 2 * stages - 1
+
+  def tick(carry, t):
+    recv_x, recv_g, saved, acc = carry
+    ran, i, part = p.slot(t, p.s)
+    x, y = p.forward(recv_x, ran, part)
+    saved = _keep(saved, i % ring, x, ran)  # (read back below by the last stage)
+    ran, i, part = p.slot(t, 2 * (stages - 1) - p.s)
+    acc, dx = p.backward(acc, lax.dynamic_index_in_dim(saved, i % ring, keepdims=False),
+                         recv_g, ran, part)
+    return (p.send(y, +1), p.send(dx, -1), saved, acc), None
+
+  saved = jnp.zeros((ring, *p.x0.shape), p.x0.dtype)
+  start = (p.x0, p.x0, saved, p.zeros())
+  (*_, acc), _ = lax.scan(tick, start, jnp.arange(p.k + 2 * (stages - 1)))
+  return p.result(acc)
+
+
+SCHEDULE_FNS = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def gpipe_loss(fns: Stages, stacked, shared, parts, *, stages: int, axis: str = PIPE):
+  """The mean loss of k >= 1 microbatches through the stages, forwards only (evaluation:
+  nothing is kept; the last stage runs its layers and `last`); arguments as :func:`gpipe`."""
+  k = parts.shape[0]
+  s = lax.axis_index(axis)
+  last_stage = s == stages - 1
+  x_aval = jax.eval_shape(fns.first, shared, parts[0])
+
+  def forward(carry, t):
+    recv, loss_sum = carry
+    m = t - s
+    ran = (m >= 0) & (m < k)
+    part = lax.dynamic_index_in_dim(parts, jnp.clip(m, 0, k - 1), keepdims=False)
+    x = lax.cond((s == 0) & ran, lambda: fns.first(shared, part), lambda: recv)
+    y = lax.cond(ran, lambda: fns.stage(stacked, x), lambda: x)
+    loss = lax.cond(ran & last_stage, lambda: fns.last(shared, y, part).astype(jnp.float32),
+                    lambda: jnp.zeros((), jnp.float32))
+    recv = lax.ppermute(y, axis, [(j, j + 1) for j in range(stages - 1)])
+    return (recv, loss_sum + loss), None
+
+  start = (jnp.zeros(x_aval.shape, x_aval.dtype), jnp.zeros((), jnp.float32))
+  (_, loss_sum), _ = lax.scan(forward, start, jnp.arange(k + stages - 1))
+  return lax.psum(loss_sum, axis) / k
+
+
+def _stages_of(mesh: Mesh, axis: str) -> int:
+  return pipe_size(mesh) if axis == PIPE else int(mesh.shape[axis])
+
+
+def pipeline_loss(fns: Stages, mesh: Mesh, stacked, shared, parts, *, axis: str = PIPE):
+  """:func:`gpipe_loss` over `mesh`'s `axis`, laid out as :func:`pipeline_grads`."""
+  body = functools.partial(gpipe_loss, fns, stages=_stages_of(mesh, axis), axis=axis)
+  return jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(), P()), out_specs=P(),
+                       axis_names={axis}, check_vma=False)(stacked, shared, parts)
+
+
+def pipeline_grads(fns: Stages, mesh: Mesh, stacked, shared, parts, *, axis: str = PIPE,
+                   schedule: str = "gpipe"):
+  """:func:`gpipe` (or :func:`one_f_one_b`, `schedule` "1f1b") over `mesh`'s `axis`
+  (``jax.shard_map`` manual over it only): `stacked` leaves [L, ...] split along their layer
+  axis, `shared` and `parts` whole; returns (mean loss, gradient of `stacked` [L, ...] laid
+  out like it, gradient of `shared`).
+
+  The FP8 GEMMs inside agree their amaxes over the ``Auto`` axes by themselves (a max over a
+  sharded array is global); over "pipe" nothing is agreed: each layer lives on one stage.
+  (Hence ``check_vma=False``: the check would ask for a max over "pipe", which would mix
+  different layers' amaxes.)
+  """
+  body = functools.partial(SCHEDULE_FNS[check_schedule(schedule)], fns,
+                           stages=_stages_of(mesh, axis), axis=axis)
+  return jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(), P()),
+                       out_specs=(P(), P(axis), P()), axis_names={axis},
+                       check_vma=False)(stacked, shared, parts)
