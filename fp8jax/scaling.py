@@ -79,12 +79,21 @@ def compute_amax(x: jax.Array, axis_names: Sequence[str] = ()) -> jax.Array:
   return a
 
 
+def power_of_two_at_least(x: jax.Array) -> jax.Array:
+  """The least power of two >= `x`, exactly (``exp2(ceil(log2(x)))`` may miss by an ulp),
+  where `x` is finite and > 0; `x` itself elsewhere."""
+  x = jnp.asarray(x)
+  m, e = jnp.frexp(x)  # x = m * 2**e, 0.5 <= |m| < 1
+  p = jnp.ldexp(jnp.ones_like(x), jnp.where(m == 0.5, e - 1, e))
+  return jnp.where(jnp.isfinite(x) & (x > 0), p, x)
+
+
 def scale_from_amax(amax: jax.Array, prev_scale: jax.Array, fmt, margin: float = 0,
                     power_of_two: bool = False) -> jax.Array:
   """The scale mapping `amax` to fp8_max / 2**margin; `prev_scale` where amax is 0/inf/NaN."""
   scale = amax * (2.0 ** margin / fp8_max(fmt))
   if power_of_two:
-    scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
+    scale = power_of_two_at_least(scale)
   usable = jnp.isfinite(amax) & (amax > 0) & jnp.isfinite(scale) & (scale > 0)
   return jnp.where(usable, scale, prev_scale).astype(jnp.float32)
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fp8jax.scaling import compute_amax
+from fp8jax.scaling import compute_amax, power_of_two_at_least
 
 # Smallest normal f32: scales are kept at or above it (XLA flushes f32 subnormals to zero).
 _TINY = float(np.finfo(np.float32).tiny)
@@ -124,7 +124,7 @@ def scale_from_bound(bound: jax.Array, pmax: float, power_of_two: bool = False) 
   bound = jnp.where(jnp.isnan(bound), jnp.inf, bound)
   scale = jnp.maximum(bound * (1.0 / pmax), _TINY)
   if power_of_two:
-    scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
+    scale = power_of_two_at_least(scale)
   return jnp.where(bound > 0, scale, 0.0).astype(jnp.float32)
 
 

@@ -117,3 +117,18 @@ def test_amax_pmax_over_mesh_axes_agrees_on_every_device(key):
                         out_specs=P("data"))(x)
   assert np.all(np.asarray(agreed) == float(jnp.max(jnp.abs(x))))
   assert len(set(np.asarray(alone).tolist())) > 1  # without pmax, devices disagree
+
+
+def test_power_of_two_at_least_is_exact():
+  """The least power of two >= x for random scales over the f32 range and for exact powers of
+  two (exp2(ceil(log2(x))) missed by an ulp on CPU: an FP16 payload then came back as
+  1.4999993 for 1.5); non-positive and non-finite values pass through."""
+  from fp8jax.scaling import power_of_two_at_least
+  rng = np.random.default_rng()
+  x = np.concatenate([np.exp2(rng.uniform(-120, 120, 4000)),
+                      np.exp2(np.arange(-126, 127, dtype=np.float64))]).astype(np.float32)
+  got = np.asarray(power_of_two_at_least(jnp.asarray(x)), np.float64)
+  want = 2.0 ** np.ceil(np.log2(x.astype(np.float64)))
+  np.testing.assert_array_equal(got, want)
+  special = jnp.asarray([0.0, -1.0, np.inf, np.nan], jnp.float32)
+  np.testing.assert_array_equal(np.asarray(power_of_two_at_least(special)), np.asarray(special))
