@@ -140,15 +140,15 @@ class WeightGather:
 
 def local_table(params, specs, axes: tuple[str, ...], sizes, stacks: tuple[str, ...] = ()):
   """The ``local`` table of a :class:`WeightGather` for `params` (global arrays or shapes)
-  laid out by `specs` (a tree of PartitionSpecs like `params`) inside ``shard_map`` over the
-  ZeRO `axes` of sizes `sizes` (mesh axis name -> size); `stacks`: top-level keys of
+  laid out by `specs` (a tree of PartitionSpecs like `params`) inside ``shard_map`` manual
+  over the mesh `axes` (sizes `sizes`: mesh axis name -> size); `stacks`: top-level keys of
   `params` that hold layer stacks (a scan slices their leaves along dimension 0).
 
   Returns (table, in_specs): table a tuple of (keystr path, (local shape, (split dim, axes)
   or None for a leaf passed in whole)); in_specs the tree of ``shard_map`` in_specs: the ZeRO-split
   dimension of each leaf gathered at use, P() (replicated) for the rest. A leaf of a layer
   stack split along dimension 0 (the layers) is passed in whole; so is a leaf split over
-  other axes or over more than one dimension.
+  axes outside `axes` or over more than one dimension.
   """
   table, in_specs = {}, []
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
@@ -159,7 +159,7 @@ def local_table(params, specs, axes: tuple[str, ...], sizes, stacks: tuple[str, 
     split = [(i, _axes_of(e)) for i, e in enumerate(entries) if e is not None]
     key = jax.tree_util.keystr(path)
     stacked = bool(path) and getattr(path[0], "key", None) in stacks
-    if len(split) == 1 and not (stacked and split[0][0] == 0) and set(split[0][1]) == set(axes):
+    if len(split) == 1 and not (stacked and split[0][0] == 0) and set(split[0][1]) <= set(axes):
       dim, on = split[0]
       local = list(shape)
       local[dim] //= int(np.prod([sizes[a] for a in on]))

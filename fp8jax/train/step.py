@@ -119,10 +119,7 @@ class GroupLoop:
       return None, P(), None
     home = jax.tree_util.tree_map_with_path(
         lambda path, x: wg.specs(jax.tree_util.keystr(path), np.shape(x))[0], params)
-    zero_axes = tuple(a for a in self.axes if any(
-        a in (e if isinstance(e, tuple) else (e,)) for s in jax.tree.leaves(
-            home, is_leaf=lambda x: isinstance(x, P)) for e in s if e is not None))
-    table, specs = fsdp.local_table(params, home, zero_axes or self.axes, dict(self.mesh.shape),
+    table, specs = fsdp.local_table(params, home, self.axes, dict(self.mesh.shape),
                                     tuple(self.layer_stacks))
     reduce = grad_comm_lib.fp8_sum_into if self.grad_comm == "fp8" else None
     reduced = jax.tree.map(lambda s: s != P(), specs, is_leaf=lambda x: isinstance(x, P))
