@@ -311,17 +311,17 @@ def _fp8_matmul_bwd(cfg: _Config, res, cts):
   m_axis = g.ndim - 2
   # dgrad: g[.., M, N] . w[.., K, N] over N -> [.., M, K]; wgrad: x[.., M, K] . g[.., M, N]
   # over M -> [.., K, N]. Both are E5M2 x E4M3.
-  fast = r.bwd_fast_accumulation
-  dx = _mm(qg, qw, (m_axis + 1, m_axis + 1), sg * sw, cfg.x_dtype, cfg.native, fast,
+  dx = _mm(qg, qw, (m_axis + 1, m_axis + 1), sg * sw, cfg.x_dtype, cfg.native, r.dgrad_fast,
            cfg.x_sharding)
   # A gathered weight's gradient is summed over the devices in f32 (reduce-scattered to the
   # shards), then rounded once to w's dtype, as one device's GEMM output is.
   w_out = jnp.float32 if cfg.w_gather is not None else cfg.w_dtype
   if cfg.fused:  # TN: q_x_t[.., K, M] . q_g_t[.., N, M] over M (both last) -> [.., K, N]
-    dw = _mm(qx, qg_t, (m_axis + 1, m_axis + 1), sx * sg, w_out, cfg.native, fast,
+    dw = _mm(qx, qg_t, (m_axis + 1, m_axis + 1), sx * sg, w_out, cfg.native, r.wgrad_fast,
              cfg.w_sharding)
   else:
-    dw = _mm(qx, qg, (m_axis, m_axis), sx * sg, w_out, cfg.native, fast, cfg.w_sharding)
+    dw = _mm(qx, qg, (m_axis, m_axis), sx * sg, w_out, cfg.native, r.wgrad_fast,
+             cfg.w_sharding)
   if cfg.w_gather is not None:
     dw = fsdp.sum_into(dw, cfg.w_gather[0], cfg.w_dtype)
   if cfg.activation:  # through the activation, recomputed from its input (elementwise)

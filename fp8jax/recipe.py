@@ -53,9 +53,11 @@ class Recipe:
       (just-in-time: scale from this tensor's own amax, one extra reduction).
     power_of_two_scales: round every scale up to a power of two (MS-AMP), so that scaling
       is exact in binary floating point.
-    bwd_fast_accumulation: let the backward FP8 GEMMs accumulate in the tensor cores'
-      reduced precision too (forward GEMMs always do). Off by default: input and weight
-      gradients then accumulate in exact f32.
+    bwd_fast_accumulation: which backward FP8 GEMMs accumulate in the tensor cores'
+      reduced precision too (forward GEMMs always do): False (neither: input and weight
+      gradients accumulate in exact f32, the default), True (both), or "dgrad" (the
+      input-gradient GEMM only, whose contraction runs over the output features; the
+      weight-gradient GEMM, contracting over every token, stays exact).
     fused_cast_transpose: cast activations and output gradients with one fused Pallas
       (Triton) pass that also writes the transposed FP8 copy and the amax
       (:mod:`fp8jax.kernels.cast_transpose`); the weight-gradient GEMM then reads both
@@ -77,7 +79,7 @@ class Recipe:
   margin: int = 0
   scaling: str = "delayed"
   power_of_two_scales: bool = False
-  bwd_fast_accumulation: bool = False
+  bwd_fast_accumulation: bool | str = False
   fused_cast_transpose: bool = False
   calibrated: bool = False
 
@@ -95,10 +97,23 @@ class Recipe:
       raise ValueError(f"Recipe.margin={self.margin!r} is not allowed; use a finite number >= 0")
     if self.scaling not in SCALINGS:
       raise ValueError(f"Recipe.scaling={self.scaling!r} is not allowed; use one of {list(SCALINGS)}")
-    for flag in ("power_of_two_scales", "bwd_fast_accumulation", "fused_cast_transpose",
-                 "calibrated"):
+    if not (isinstance(self.bwd_fast_accumulation, (bool, np.bool_))
+            or self.bwd_fast_accumulation == "dgrad"):
+      raise ValueError(f"Recipe.bwd_fast_accumulation={self.bwd_fast_accumulation!r} is not "
+                       "allowed; use True, False or \"dgrad\"")
+    for flag in ("power_of_two_scales", "fused_cast_transpose", "calibrated"):
       if not isinstance(getattr(self, flag), (bool, np.bool_)):
         raise ValueError(f"Recipe.{flag}={getattr(self, flag)!r} is not allowed; use True or False")
+
+  @property
+  def dgrad_fast(self) -> bool:
+    """True when the input-gradient GEMM accumulates in reduced precision."""
+    return self.bwd_fast_accumulation is not False and bool(self.bwd_fast_accumulation)
+
+  @property
+  def wgrad_fast(self) -> bool:
+    """True when the weight-gradient GEMM accumulates in reduced precision."""
+    return self.bwd_fast_accumulation is True or self.bwd_fast_accumulation is np.True_
 
   def replace(self, **changes) -> "Recipe":
     """A copy with `changes` applied (validated again)."""

@@ -13,13 +13,21 @@ Modes:
   bf16               ``nn.Dense`` in bf16 (the baseline)
   flax_fp8           ``nn.Dense(dot_general_cls=flax.linen.Fp8DirectDotGeneralOp)``: Flax's
                      FP8 op (the second baseline; ``Fp8DotGeneralOp`` is deprecated in Flax)
-  fp8jax             ``fp8jax.linen.Fp8DotGeneral`` with ``Recipe()`` (level O1's GEMMs)
-  fp8jax_calibrated  ``Recipe(calibrated=True)``: stored scales only (the Trainer's steady step)
-  fp8jax_fastbwd     ``Recipe(bwd_fast_accumulation=True)``
-  fp8jax_fused       ``Recipe(fused_cast_transpose=True)`` (the fused cast kernel; GPU only)
+  fp8jax             ``fp8jax.linen.Fp8DotGeneral`` with the recipe ``fp8jax train`` uses (the
+                     fused cast+transpose kernel where it runs: one GPU, native FP8)
+  fp8jax_xla         ``Recipe()``: the same with XLA's casts (the library's default recipe)
+  fp8jax_calibrated  the train recipe with ``calibrated=True``: stored scales only (the
+                     Trainer's steady step)
+  fp8jax_fastbwd     the train recipe with ``bwd_fast_accumulation=True``
+  fp8jax_fastdgrad   the train recipe with ``bwd_fast_accumulation="dgrad"`` (weight
+                     gradients exact)
   gemms_bf16         the block's six GEMMs alone on bf16 operands (baseline of the gemms rows)
   gemms_fp8          the same GEMMs on FP8 operands cast beforehand, bf16 output
   gemms_fp8_f32out   the same with an f32 GEMM output, scaled, then cast to bf16
+  gemms_fp8_tn       the same six FP8 GEMMs with every operand laid out K-major beforehand
+                     (the layout cuBLASLt's FP8 GEMM reads; no transpose in the program),
+                     backward GEMMs exact: the ceiling of the block's FP8 GEMM time
+  gemms_fp8_tn_fast  the same with fast accumulation in all six
 
 Columns: median ms per step, TFLOP/s (the six GEMMs' 12 T D F FLOPs), speed-ups over bf16 and
 over Flax's FP8 op (gemms rows: over gemms_bf16), cuBLASLt FP8 GEMMs in the compiled program,
@@ -46,13 +54,16 @@ SHAPE = (16384, 8192, 28672)  # T, D, F of benchmarks/RESULTS.md
 SMALL_SHAPE = (256, 128, 512)
 ITERS, SMALL_ITERS = 15, 3
 WARMUP_STEPS = 3
-RECIPES = {"fp8jax": Recipe(), "fp8jax_calibrated": Recipe(calibrated=True),
-           "fp8jax_fastbwd": Recipe(bwd_fast_accumulation=True),
-           "fp8jax_fused": Recipe(fused_cast_transpose=True)}
+TRAIN_RECIPE = Recipe(fused_cast_transpose=True)  # fp8jax train's fp8 section defaults
+RECIPES = {"fp8jax": TRAIN_RECIPE, "fp8jax_xla": Recipe(),
+           "fp8jax_calibrated": TRAIN_RECIPE.replace(calibrated=True),
+           "fp8jax_fastbwd": TRAIN_RECIPE.replace(bwd_fast_accumulation=True),
+           "fp8jax_fastdgrad": TRAIN_RECIPE.replace(bwd_fast_accumulation="dgrad")}
 BLOCK_MODES = ("bf16", "flax_fp8") + tuple(RECIPES)
-GEMM_MODES = ("gemms_bf16", "gemms_fp8", "gemms_fp8_f32out")
+GEMM_MODES = ("gemms_bf16", "gemms_fp8", "gemms_fp8_f32out", "gemms_fp8_tn",
+              "gemms_fp8_tn_fast")
 MODES = BLOCK_MODES + GEMM_MODES
-DEFAULT_MODES = ("bf16", "flax_fp8", "fp8jax", "fp8jax_calibrated", "fp8jax_fastbwd")
+DEFAULT_MODES = ("bf16", "flax_fp8", "fp8jax", "fp8jax_xla", "fp8jax_fastdgrad")
 FLAX_FP8_COLLECTION = fp8_ops.OVERWRITE_WITH_GRADIENT
 COLUMNS = (report.Column("ms", "ms (median)"), report.Column("tflops", "TFLOP/s", ".4g"),
            report.Column("x_bf16", "speed-up vs bf16"),
@@ -124,11 +135,12 @@ def make_model(mode: str, hidden: int, model: int) -> MLP:
 
 
 def block_step(model: MLP):
-  """jit of ``(variables, x, ct) -> (d variables, dx)``: forward and backward of the block
-  (the FP8 state's cotangent is its updated value)."""
+  """jit of ``(variables, x, ct) -> (d variables, dx, y)``: forward and backward of the block
+  (the FP8 state's cotangent is its updated value). The output y is returned so that its
+  GEMM stays in the program, as a training step's loss keeps it."""
   def step(variables, x, ct):
-    _, vjp = jax.vjp(model.apply, variables, x)
-    return vjp(ct)
+    y, vjp = jax.vjp(model.apply, variables, x)
+    return vjp(ct) + (y,)
   return jax.jit(step)
 
 
@@ -187,6 +199,27 @@ def gemms_step(out_dtype):
             _gemm(h, gy, (0, 0), scale, out_dtype, not fp8),
             _gemm(x, gh, (0, 0), scale, out_dtype, not fp8))
   return jax.jit(step)
+
+
+def gemms_tn_step(fast_bwd: bool):
+  """jit of the six GEMMs of :func:`gemms_step` on operands laid out K-major (TN): forward
+  x[T, D] . W0^T[F, D], h[T, F] . W1^T[D, F]; input gradients g_y[T, D] . W1[F, D],
+  g_h[T, F] . W0[D, F]; weight gradients h^T[F, T] . g_y^T[D, T], x^T[D, T] . g_h^T[F, T];
+  every contraction over both operands' last axis."""
+  def step(x, w0t, h, w1t, gy, gh, w0, w1, ht, gyt, xt, ght, scale):
+    tn = lambda a, b, fast: _gemm(a, b, (1, 1), scale, jnp.bfloat16, fast)  # noqa: E731
+    return (tn(x, w0t, True), tn(h, w1t, True), tn(gy, w1, fast_bwd), tn(gh, w0, fast_bwd),
+            tn(ht, gyt, fast_bwd), tn(xt, ght, fast_bwd))
+  return jax.jit(step)
+
+
+def tn_operands(args):
+  """The operands of :func:`gemms_tn_step` from :func:`gemm_operands`' (x, W0, h, W1, g_y,
+  g_h, scale): the transposed copies made (and materialised) beforehand."""
+  x, w0, h, w1, gy, gh, scale = args
+  t = jax.jit(lambda *a: tuple(jnp.transpose(v) for v in a))
+  w0t, w1t, ht, gyt, xt, ght = t(w0, w1, h, gy, x, gh)
+  return (x, w0t, h, w1t, gy, gh, w0, w1, ht, gyt, xt, ght, scale)
 
 
 def gemm_operands(mode: str, x, params, key):
@@ -252,13 +285,13 @@ def _time_block(mode, x, ct, params, ref, key, iters) -> dict:
     raise RuntimeError(f"bench mlp {mode}: no FP8 scale found in the variables "
                        f"({', '.join(sorted(variables))}); cannot check that they are warm")
   for _ in range(WARMUP_STEPS):  # carry the FP8 state: delayed scales see this data
-    dv, _ = compiled(variables, x, ct)
+    dv, _, _ = compiled(variables, x, ct)
     variables = carry_fp8_state(variables, dv)
   stale = [k for k, v in scale_leaves(variables).items() if bool(jnp.all(v == initial[k]))]
   if stale:
     raise RuntimeError(f"bench mlp {mode}: FP8 scales not updated by {WARMUP_STEPS} warm-up "
                        f"steps: {', '.join(stale)}; timing would run on cold scales")
-  dv, dx = compiled(variables, x, ct)
+  dv, dx, _ = compiled(variables, x, ct)
   ref_p, ref_dx = ref
   err = max(rel_err(dx, ref_dx), *(rel_err(dv["params"][k]["kernel"], ref_p[k]["kernel"])
                                    for k in ("Dense_0", "Dense_1")))
@@ -269,7 +302,10 @@ def _time_block(mode, x, ct, params, ref, key, iters) -> dict:
 
 def _time_gemms(mode, x, params, key, iters) -> dict:
   args = gemm_operands(mode, x, params, key)
-  step = gemms_step(jnp.float32 if mode == "gemms_fp8_f32out" else jnp.bfloat16)
+  if mode.startswith("gemms_fp8_tn"):
+    args, step = tn_operands(args), gemms_tn_step(mode == "gemms_fp8_tn_fast")
+  else:
+    step = gemms_step(jnp.float32 if mode == "gemms_fp8_f32out" else jnp.bfloat16)
   compiled = step.lower(*args).compile()
   timing = time_calls(lambda: compiled(*args), iters)
   return {"ms": timing.median, "fp8_gemms": custom_calls(compiled.as_text()).get(FP8_GEMM, 0),

@@ -16,7 +16,8 @@ a 2-layer, 64-wide model on 32-token sequences (seconds on a CPU).
 Columns: ms per step, tokens/s, tokens/s against the first run, model TFLOP/s and MFU (against
 the FP8 peak at FP8 levels, BF16's at O0; "-" where the device's peak is unknown), the compiled
 step's memory (arguments + outputs + temporaries, XLA's analysis, GiB), the last step's loss
-and the seconds spent compiling and warming up.
+(the same step of every run: a run without FP8 state takes one step first, as an FP8 run takes
+its uncalibrated one) and the seconds spent compiling and warming up.
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ SMALL_SETTINGS = ("model.vocab_size=256", "model.d_model=64", "model.n_layers=2"
 SMALL_RUNS = ("O0 saved=O0,model.remat_policy=save_gemm_outputs",
               "O2 io=O2,model.remat_policy=save_gemm_io")
 ITERS, SMALL_ITERS = 5, 2
+FIRST_STEPS = 3  # at most this many uncalibrated steps before the calibrated one
 COLUMNS = (report.Column("batch", "batch"), report.Column("ms", "ms/step", ".1f"),
            report.Column("tokens_per_s", "tokens/s", ",.0f"),
            report.Column("x_base", "tokens/s vs baseline"),
@@ -151,15 +153,18 @@ def time_run(config: str | None, level: str, overrides, iters: int, log=print) -
   trainer = Trainer(cfg, progress=False)
   batch = trainer.next_batch(0)
   microbatches = cfg.microbatches_at(0)
-  state = trainer.state
-  for _ in range(3):  # the uncalibrated model until every FP8 state has observed a tensor
+  state, first = trainer.state, 0
+  for _ in range(FIRST_STEPS):  # the uncalibrated model until every FP8 state observed a tensor
     if not trainer.calibration.uses_first(state.fp8):
       break
     state, _ = trainer.compiled_step(microbatches, calibrated=False)(state, batch)
     trainer.calibration.observed(state.fp8)
+    first += 1
   step = trainer.compiled_step(microbatches, calibrated=True)
   placed = step.place(batch)
   compiled = step.jitted.lower(state, *placed).compile()
+  for _ in range(1 - min(first, 1)):  # as many steps before the timed ones as an FP8 run takes,
+    state, _ = compiled(state, *placed)  # so that every run's loss is the same step's
   log(f"compiled in {time.perf_counter() - t0:.1f} s (with the Trainer's set-up)")
   carry = {"state": state, "metrics": []}
 

@@ -120,17 +120,22 @@ def test_native_program_feeds_fp8_directly_and_never_e5m2_x_e5m2(key, monkeypatc
   assert (E5M2, E5M2) not in dtypes
 
 
-@pytest.mark.parametrize("fast_bwd", [False, True])
+@pytest.mark.parametrize("fast_bwd", [False, True, "dgrad"])
 def test_forward_fast_backward_exact_accumulation_unless_asked(key, monkeypatch, fast_bwd):
+  """Forward GEMM: fast accumulation; input gradient (output [32, 64]) fast with True or
+  "dgrad"; weight gradient (output [64, 48]) fast only with True."""
   monkeypatch.setattr(fdot, "native_fp8_reason", lambda: None)
   x, w = jax.random.normal(key, (32, 64)), jax.random.normal(key, (64, 48))
   dn = (((1,), (0,)), ((), ()))
   recipe = fp8jax.Recipe(bwd_fast_accumulation=fast_bwd)
   f = lambda x, w, m: jnp.sum(fp8jax.fp8_dot_general(x, w, dn, m, recipe) ** 2)
   jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w, fp8jax.init_dot_meta(recipe)).jaxpr
-  precisions = _dot_precisions(jaxpr)
-  assert len(precisions) == 3 and "DEFAULT" in precisions[0]
-  assert all(("DEFAULT" if fast_bwd else "HIGHEST") in p for p in precisions[1:]), precisions
+  eqns = list(_dot_eqns(jaxpr))
+  by_shape = {tuple(e.outvars[0].aval.shape): p for e, p in zip(eqns, _dot_precisions(jaxpr))}
+  assert len(eqns) == 3 and sorted(by_shape) == [(32, 48), (32, 64), (64, 48)], by_shape
+  want = {(32, 48): "DEFAULT", (32, 64): "DEFAULT" if fast_bwd else "HIGHEST",
+          (64, 48): "DEFAULT" if fast_bwd is True else "HIGHEST"}
+  assert all(want[s] in p for s, p in by_shape.items()), by_shape
 
 
 def test_emulation_is_logged_once_with_its_reason(key, monkeypatch, caplog):

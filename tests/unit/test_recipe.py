@@ -25,7 +25,8 @@ def test_defaults_and_format_names():
     ("margin", float("nan"), ">= 0"),
     ("scaling", "dynamic", "'delayed', 'current'"),
     ("power_of_two_scales", "yes", "True or False"),
-    ("bwd_fast_accumulation", 1, "True or False"),
+    ("bwd_fast_accumulation", 1, "True, False or \"dgrad\""),
+    ("bwd_fast_accumulation", "wgrad", "True, False or \"dgrad\""),
     ("fused_cast_transpose", "true", "True or False"),
 ])
 def test_invalid_values_name_field_and_allowed(field, value, allowed):
