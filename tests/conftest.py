@@ -5,12 +5,46 @@ the Trainer, on 8 simulated CPU devices), ``distributed/`` (several local proces
 ``jax.distributed`` on 127.0.0.1, with their worker scripts), ``gpu/`` (sm_89+ only). The
 helpers here (``ft_util``, ``hetero_model``) are importable from every tier."""
 import os
+import shutil
+import tempfile
 
 import jax
 import numpy as np
 import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+# On CPU-only machines (CI), XLA's backend (LLVM) optimizes at level 0: the tests compile
+# hundreds of small programs and run each for a few steps, so LLVM's optimizations cost more
+# time than they save (measured: the Trainer bit-identity files 210 -> 154 s). Set before
+# the first backend starts; inherited by the subprocesses tests start; a level the user
+# chose in XLA_FLAGS is kept.
+if shutil.which("nvidia-smi") is None and "xla_backend_optimization_level" not in \
+    os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_backend_optimization_level=0").strip()
+
+# One compilation cache for the session, shared with the subprocesses tests start (workers
+# under jax.distributed, the CLI): tests build many programs whose HLO is identical (the same
+# tiny model's step in several tests and processes), and XLA compiles each once. A cache the
+# user set (JAX_COMPILATION_CACHE_DIR) is used as it is; otherwise a fresh folder, deleted
+# at the end of the session, so nothing carries over between sessions.
+_OWN_CACHE = None
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+  _OWN_CACHE = tempfile.mkdtemp(prefix="fp8jax-test-xla-cache-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                  float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+jax.config.update("jax_persistent_cache_min_entry_size_bytes",
+                  int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]))
+
+
+def pytest_sessionfinish(session, exitstatus):
+  if _OWN_CACHE:
+    shutil.rmtree(_OWN_CACHE, ignore_errors=True)
 
 
 @pytest.fixture

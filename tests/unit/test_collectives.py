@@ -85,28 +85,37 @@ def test_reduce_scatter_is_psum_scatter_tuple_axes_other_dimension(key):
 
 @pytest.mark.parametrize("dtype, bound", [(E4M3, 0.045), (E5M2, 0.09)])
 def test_error_bounded_and_flat_in_ranks_unlike_fp8_ring(key, dtype, bound):
-  errs, ring_errs, bf16_errs = {}, {}, {}
+  """Three draws of heavy-tailed gradients per rank count; the ring is judged by its summed
+  error relative to ours on the same draws (one draw's raw ring error need not rise with the
+  ranks: seed 594969247 gave 0.047 at 2 ranks and 0.041 at 8; one draw's ratio to ours swings
+  with ours: seed 5 gave 3.1 at 2 ranks)."""
+  errs, ring_ratio, bf16_errs = {}, {}, {}
   for n in (2, 4, 8):
-    key, k = jax.random.split(key)
-    xs = _grads(k, n, (256, 512))
-    ref = _ref_reduce_scatter(xs)
     mesh = _mesh((n,), ("d",))
-    x = _sharded(mesh, xs, "d")
-    got = _run(mesh, lambda x: fp8_reduce_scatter(x, "d", dtype=dtype), x, "d", P("d"))
-    bf16 = _run(mesh, lambda x: lax.psum_scatter(x.astype(jnp.bfloat16), "d", tiled=True),
-                x, "d", P("d"))
-    errs[n], bf16_errs[n] = rel_err(got, ref), rel_err(bf16.astype(jnp.float32), ref)
-    ring_errs[n] = rel_err(_fp8_ring(xs, dtype), ref)
-  print("fp8 all_to_all", errs, "fp8 ring", ring_errs, "bf16", bf16_errs)
-  for n in errs:
-    assert 4 * bf16_errs[n] < errs[n] < bound  # really FP8, and bounded
-  assert max(errs[4], errs[8]) < 1.25 * errs[2]  # does not grow with the ranks
-  # the per-hop FP8 ring's error does grow: compared on the same data as ours (which removes
-  # most of the sample-to-sample spread of heavy-tailed gradients) it goes from ~1.6x ours at
-  # 2 ranks to ~3.3x at 8
-  assert ring_errs[8] > ring_errs[2]
-  assert ring_errs[8] / errs[8] > 1.4 * ring_errs[2] / errs[2]
-  assert ring_errs[8] > 2 * errs[8]
+    ours = jax.jit(jax.shard_map(lambda x: fp8_reduce_scatter(x, "d", dtype=dtype), mesh=mesh,
+                                 in_specs=P("d"), out_specs=P("d")))
+    ring = []
+    for _ in range(3):
+      key, k = jax.random.split(key)
+      xs = _grads(k, n, (256, 512))
+      ref = _ref_reduce_scatter(xs)
+      x = _sharded(mesh, xs, "d")
+      got = ours(x)
+      bf16 = _run(mesh, lambda x: lax.psum_scatter(x.astype(jnp.bfloat16), "d", tiled=True),
+                  x, "d", P("d"))
+      err, bf16_err = rel_err(got, ref), rel_err(bf16.astype(jnp.float32), ref)
+      assert 4 * bf16_err < err < bound  # really FP8, and bounded
+      errs.setdefault(n, []).append(err)
+      bf16_errs.setdefault(n, []).append(bf16_err)
+      ring.append(rel_err(_fp8_ring(xs, dtype), ref))
+    ring_ratio[n] = sum(ring) / sum(errs[n])
+  print("fp8 all_to_all", errs, "fp8 ring / ours", ring_ratio, "bf16", bf16_errs)
+  mean = {n: float(np.mean(e)) for n, e in errs.items()}
+  assert max(mean[4], mean[8]) < 1.25 * mean[2]  # does not grow with the ranks
+  # the per-hop FP8 ring's error does grow: ~1.5-2.0x ours at 2 ranks, ~2.9-4.0x at 8 (26
+  # draws of 3; the closest pair 1.98 -> 2.90); a ring that did not grow would sit near 1x
+  assert ring_ratio[8] > 1.3 * ring_ratio[2]
+  assert ring_ratio[8] > 2
 
 
 def _eqns(jaxpr):
