@@ -111,6 +111,7 @@ def test_fp8_close_to_bf16_and_state_stacked(key):
   assert FP8_COLLECTION not in o0_shapes
 
 
+@pytest.mark.default_codegen
 def test_remat_matches_no_remat(key):
   """Remat (FP8 GEMMs, FP8 state updated in the recomputation) changes nothing but rounding.
 

@@ -9,6 +9,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from conftest import default_codegen_env
+
 NOTEBOOKS = sorted((pathlib.Path(__file__).parents[2] / "notebooks").glob("*.ipynb"))
 # Appended to fp8_vs_bf16.ipynb: its run folder and final metrics, for the checks below.
 _REPORT = "import json; print(json.dumps({'out': out, 'results': results}, default=float))"
@@ -20,8 +22,11 @@ def test_notebook_executes(path):
   nb = nbformat.read(path, as_version=4)
   if path.name == "fp8_vs_bf16.ipynb":
     nb.cells.append(nbformat.v4.new_code_cell(_REPORT))
+  # The kernel compiles with XLA's default code generation: the notebooks train for tens of
+  # steps, which LLVM level 0 (the suite's CPU default, conftest) would slow down.
   NotebookClient(nb, timeout=600, kernel_name="python3",
-                 resources={"metadata": {"path": str(path.parent)}}).execute()
+                 resources={"metadata": {"path": str(path.parent)}}).execute(
+                     env=default_codegen_env())
   if path.name == "fp8_vs_bf16.ipynb":
     _o1_and_o2_match_o0(json.loads(nb.cells[-1].outputs[0]["text"]))
 

@@ -58,6 +58,7 @@ def test_bad_remat_policy_is_refused():
     load_config("configs/tiny.yaml", ["model.remat_policy=none"])
 
 
+@pytest.mark.default_codegen
 def test_attention_residuals_saved_by_name_skip_the_attention_forward(key):
   """causal_attention_saving_residuals (the model uses it with cuDNN; "xla" here, the only
   implementation on CPUs): under a scan of remat'd layers saving the model's names the
@@ -92,6 +93,7 @@ def test_attention_residuals_saved_by_name_skip_the_attention_forward(key):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.default_codegen
 def test_saved_gemm_io_casts_no_activation_again(key):
   """With the fused cast kernel (Pallas' interpreter here) the backward's recomputation under
   "save_gemm_io" runs no activation cast: one kernel call fewer per projection of the layer

@@ -183,6 +183,7 @@ def test_cpu_is_reported_as_not_native():
   assert "no FP8 GEMMs" in fp8jax.native_fp8_reason()
 
 
+@pytest.mark.default_codegen
 def test_remat_and_jit_give_the_same_gradients(key):
   k1, k2 = jax.random.split(key)
   x, w = jax.random.normal(k1, (32, 64)), jax.random.normal(k2, (64, 48))
