@@ -108,7 +108,7 @@ class Recipe:
   @property
   def dgrad_fast(self) -> bool:
     """True when the input-gradient GEMM accumulates in reduced precision."""
-    return self.bwd_fast_accumulation is not False and bool(self.bwd_fast_accumulation)
+    return bool(self.bwd_fast_accumulation)  # True or "dgrad"
 
   @property
   def wgrad_fast(self) -> bool:

@@ -18,7 +18,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 
 # On CPU-only machines (CI), XLA's backend (LLVM) optimizes at level 0: the tests compile
 # hundreds of small programs and run each for a few steps, so LLVM's optimizations cost more
-# time than they save (the whole suite: 31.8 -> 25.2 min on 2 cores). Set before the first
+# time than they save (the whole suite: 31.8 -> 25.3 min on 2 cores). Set before the first
 # backend starts and inherited by subprocesses (ft_util.env drops it for CLI and
 # distributed children); a level the user chose in XLA_FLAGS is kept. Tests marked
 # `default_codegen` (bit-identity of two differently structured programs, e.g. with and

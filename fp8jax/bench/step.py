@@ -163,8 +163,8 @@ def time_run(config: str | None, level: str, overrides, iters: int, log=print) -
   step = trainer.compiled_step(microbatches, calibrated=True)
   placed = step.place(batch)
   compiled = step.jitted.lower(state, *placed).compile()
-  for _ in range(1 - min(first, 1)):  # as many steps before the timed ones as an FP8 run takes,
-    state, _ = compiled(state, *placed)  # so that every run's loss is the same step's
+  if not first:  # one step, as an FP8 run takes its uncalibrated one: the timed steps and
+    state, _ = compiled(state, *placed)  # their losses are then the same steps in every run
   log(f"compiled in {time.perf_counter() - t0:.1f} s (with the Trainer's set-up)")
   carry = {"state": state, "metrics": []}
 
