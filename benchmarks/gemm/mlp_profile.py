@@ -27,28 +27,6 @@ from benchmarks.common import trace  # noqa: E402
 from fp8jax.bench import mlp  # noqa: E402
 
 
-def block_call(mode, x, ct, params, key):
-  """A no-argument call of the mode's compiled block step on warmed FP8 state."""
-  net = mlp.make_model(mode, params["Dense_0"]["kernel"].shape[1], x.shape[1])
-  variables = {**net.init(key, x), "params": params}
-  compiled = mlp.block_step(net).lower(variables, x, ct).compile()
-  for _ in range(mlp.WARMUP_STEPS):
-    dv, _, _ = compiled(variables, x, ct)
-    variables = mlp.carry_fp8_state(variables, dv)
-  return lambda: compiled(variables, x, ct)
-
-
-def gemms_call(mode, x, params, key):
-  """A no-argument call of a gemms_* mode's compiled step on its prepared operands."""
-  args = mlp.gemm_operands(mode, x, params, key)
-  if mode.startswith("gemms_fp8_tn"):
-    args, step = mlp.tn_operands(args), mlp.gemms_tn_step(mode == "gemms_fp8_tn_fast")
-  else:
-    step = mlp.gemms_step(jnp.float32 if mode == "gemms_fp8_f32out" else jnp.bfloat16)
-  compiled = step.lower(*args).compile()
-  return lambda: compiled(*args)
-
-
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--modes", default="bf16,fp8jax,fp8jax_xla,gemms_fp8_tn")
@@ -67,8 +45,12 @@ def main():
   print(f"MLP block T={a.tokens} D={a.model} F={a.hidden}: GPU kernel ms per step")
   rows = []
   for mode in modes:
-    call = (gemms_call(mode, x, params, kg) if mode in mlp.GEMM_MODES
-            else block_call(mode, x, ct, params, kp))
+    if mode in mlp.GEMM_MODES:
+      compiled, args = mlp.gemms_program(mode, x, params, kg)
+      call = lambda: compiled(*args)  # noqa: E731
+    else:
+      compiled, variables = mlp.warm_block(mode, x, ct, params, kp)
+      call = lambda: compiled(variables, x, ct)  # noqa: E731
     jax.block_until_ready(call())
     _, kernels = trace.traced_kernels(call, a.steps)
     by_cat = collections.Counter()

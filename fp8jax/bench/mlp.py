@@ -275,11 +275,12 @@ def measure(tokens: int, model: int, hidden: int, modes=DEFAULT_MODES, iters: in
   return table
 
 
-def _time_block(mode, x, ct, params, ref, key, iters) -> dict:
+def warm_block(mode: str, x, ct, params, key):
+  """(compiled block step, warmed variables) of a block mode: the FP8 state carried through
+  WARMUP_STEPS steps on (x, ct); RuntimeError when a scale did not move (cold scales)."""
   net = make_model(mode, params["Dense_0"]["kernel"].shape[1], x.shape[1])
   variables = {**net.init(key, x), "params": params}
-  step = block_step(net)
-  compiled = step.lower(variables, x, ct).compile()
+  compiled = block_step(net).lower(variables, x, ct).compile()
   initial = scale_leaves(variables)
   if mode != "bf16" and not initial:
     raise RuntimeError(f"bench mlp {mode}: no FP8 scale found in the variables "
@@ -291,6 +292,21 @@ def _time_block(mode, x, ct, params, ref, key, iters) -> dict:
   if stale:
     raise RuntimeError(f"bench mlp {mode}: FP8 scales not updated by {WARMUP_STEPS} warm-up "
                        f"steps: {', '.join(stale)}; timing would run on cold scales")
+  return compiled, variables
+
+
+def gemms_program(mode: str, x, params, key):
+  """(compiled step, its operands) of a gemms_* mode."""
+  args = gemm_operands(mode, x, params, key)
+  if mode.startswith("gemms_fp8_tn"):
+    args, step = tn_operands(args), gemms_tn_step(mode == "gemms_fp8_tn_fast")
+  else:
+    step = gemms_step(jnp.float32 if mode == "gemms_fp8_f32out" else jnp.bfloat16)
+  return step.lower(*args).compile(), args
+
+
+def _time_block(mode, x, ct, params, ref, key, iters) -> dict:
+  compiled, variables = warm_block(mode, x, ct, params, key)
   dv, dx, _ = compiled(variables, x, ct)
   ref_p, ref_dx = ref
   err = max(rel_err(dx, ref_dx), *(rel_err(dv["params"][k]["kernel"], ref_p[k]["kernel"])
@@ -301,12 +317,7 @@ def _time_block(mode, x, ct, params, ref, key, iters) -> dict:
 
 
 def _time_gemms(mode, x, params, key, iters) -> dict:
-  args = gemm_operands(mode, x, params, key)
-  if mode.startswith("gemms_fp8_tn"):
-    args, step = tn_operands(args), gemms_tn_step(mode == "gemms_fp8_tn_fast")
-  else:
-    step = gemms_step(jnp.float32 if mode == "gemms_fp8_f32out" else jnp.bfloat16)
-  compiled = step.lower(*args).compile()
+  compiled, args = gemms_program(mode, x, params, key)
   timing = time_calls(lambda: compiled(*args), iters)
   return {"ms": timing.median, "fp8_gemms": custom_calls(compiled.as_text()).get(FP8_GEMM, 0),
           "grad_err": None, "temp_gib": memory_gib(compiled)["temp"]}
