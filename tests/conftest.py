@@ -35,6 +35,8 @@ if FAST_CODEGEN:
 def default_codegen_env() -> dict:
   """``os.environ`` for a child process that compiles with XLA's default code generation."""
   env = dict(os.environ, FP8JAX_TEST_DEFAULT_CODEGEN="1")
+  if not FAST_CODEGEN:  # the flags are the user's (or a GPU machine's): left as they are
+    return env
   flags = env.get("XLA_FLAGS", "").replace(_FAST_CODEGEN_FLAG, "").strip()
   if flags:
     env["XLA_FLAGS"] = flags
