@@ -21,6 +21,9 @@ Modes:
   fp8jax_fastbwd     the train recipe with ``bwd_fast_accumulation=True``
   fp8jax_fastdgrad   the train recipe with ``bwd_fast_accumulation="dgrad"`` (weight
                      gradients exact)
+  fp8jax_gelu_in_cast  the train recipe with the GELU computed inside the second GEMM's FP8
+                     input cast (``Fp8DotGeneral(lhs_activation="gelu")``, the model's
+                     ``fuse_gelu_into_fp8_cast``)
   gemms_bf16         the block's six GEMMs alone on bf16 operands (baseline of the gemms rows)
   gemms_fp8          the same GEMMs on FP8 operands cast beforehand, bf16 output
   gemms_fp8_f32out   the same with an f32 GEMM output, scaled, then cast to bf16
@@ -59,7 +62,8 @@ RECIPES = {"fp8jax": TRAIN_RECIPE, "fp8jax_xla": Recipe(),
            "fp8jax_calibrated": TRAIN_RECIPE.replace(calibrated=True),
            "fp8jax_fastbwd": TRAIN_RECIPE.replace(bwd_fast_accumulation=True),
            "fp8jax_fastdgrad": TRAIN_RECIPE.replace(bwd_fast_accumulation="dgrad")}
-BLOCK_MODES = ("bf16", "flax_fp8") + tuple(RECIPES)
+GELU_IN_CAST = "fp8jax_gelu_in_cast"
+BLOCK_MODES = ("bf16", "flax_fp8") + tuple(RECIPES) + (GELU_IN_CAST,)
 GEMM_MODES = ("gemms_bf16", "gemms_fp8", "gemms_fp8_f32out", "gemms_fp8_tn",
               "gemms_fp8_tn_fast")
 MODES = BLOCK_MODES + GEMM_MODES
@@ -74,17 +78,23 @@ COLUMNS = (report.Column("ms", "ms (median)"), report.Column("tflops", "TFLOP/s"
 
 
 class MLP(nn.Module):
-  """Dense(hidden) -> GELU -> Dense(model), bf16, no bias, the given dot_general_cls."""
+  """Dense(hidden) -> GELU -> Dense(model), bf16, no bias, the given dot_general_cls;
+  `gelu_in_cast`: the second GEMM's dot_general_cls applies the GELU itself (it must take
+  ``lhs_activation``)."""
   hidden: int
   model: int
   dot_general_cls: object = None
+  gelu_in_cast: bool = False
 
   @nn.compact
   def __call__(self, x):
     kw = dict(use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
               dot_general_cls=self.dot_general_cls)
-    h = nn.gelu(nn.Dense(self.hidden, **kw)(x))
-    return nn.Dense(self.model, **kw)(h)
+    h = nn.Dense(self.hidden, **kw)(x)
+    if self.gelu_in_cast:
+      return nn.Dense(self.model, **{**kw, "dot_general_cls": functools.partial(
+          self.dot_general_cls, lhs_activation="gelu")})(h)
+    return nn.Dense(self.model, **kw)(nn.gelu(h))
 
 
 def add_arguments(parser) -> None:
@@ -131,6 +141,8 @@ def make_model(mode: str, hidden: int, model: int) -> MLP:
     return MLP(hidden, model)
   if mode == "flax_fp8":
     return MLP(hidden, model, fp8_ops.Fp8DirectDotGeneralOp)
+  if mode == GELU_IN_CAST:
+    return MLP(hidden, model, functools.partial(Fp8DotGeneral, recipe=TRAIN_RECIPE), True)
   return MLP(hidden, model, functools.partial(Fp8DotGeneral, recipe=RECIPES[mode]))
 
 

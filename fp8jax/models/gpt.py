@@ -85,8 +85,10 @@ class ModelConfig:
     fuse_gelu_into_fp8_cast: with a recipe and the GELU MLP, fc_out's FP8 GEMM takes fc_in's
       output and applies GELU inside its input cast (``Fp8DotGeneral(lhs_activation="gelu")``;
       with the fused cast kernel the bf16 activation is never written). GELU is then computed
-      in f32 and rounded once (``nn.gelu`` on bf16 rounds its intermediates): close to, not
-      bit-identical with, the unfused model.
+      in f32 and rounded once (``nn.gelu`` on bf16 rounds its intermediates; on GPUs the
+      kernel's tanh is the hardware's approximate one): close to, not bit-identical with, the
+      unfused model. "auto" (default): on for the GELU MLP
+      (:func:`fp8jax.models.layers.fuses_gelu`).
     dtype: compute dtype name of activations and BF16 GEMMs ("bfloat16", "float32", ...).
     param_dtype: storage dtype name of parameters.
     tie_embeddings: the LM head reuses the embedding matrix (then it is a BF16 GEMM).
@@ -109,7 +111,7 @@ class ModelConfig:
   remat_policy: str = "auto"
   scan_layers: bool | str = "auto"
   remat_save_fp8_weights: bool = True
-  fuse_gelu_into_fp8_cast: bool = False
+  fuse_gelu_into_fp8_cast: bool | str = "auto"
   dtype: str = "bfloat16"
   param_dtype: str = "float32"
   tie_embeddings: bool = False
@@ -130,13 +132,13 @@ class ModelConfig:
                           ("param_dtype", PARAM_DTYPES), ("attention_impl", ATTENTION_IMPLS),
                           ("remat_policy", REMAT_POLICIES)):
       layers.check_choice("ModelConfig", name, getattr(self, name), allowed)
-    if self.fuse_gelu_into_fp8_cast and self.mlp != "gelu":
+    if self.fuse_gelu_into_fp8_cast not in (layers.AUTO, False) and self.mlp != "gelu":
       raise ValueError(f"ModelConfig.fuse_gelu_into_fp8_cast=True needs mlp='gelu', got "
                        f"mlp={self.mlp!r} (SwiGLU is not fused yet)")
-    for name in ("remat", "remat_save_fp8_weights", "tie_embeddings",
-                 "fuse_gelu_into_fp8_cast"):
+    for name in ("remat", "remat_save_fp8_weights", "tie_embeddings"):
       layers.check_bool("ModelConfig", name, getattr(self, name))
-    layers.check_scan_layers("ModelConfig", self.scan_layers)
+    for name in ("scan_layers", "fuse_gelu_into_fp8_cast"):
+      layers.check_bool_or_auto("ModelConfig", name, getattr(self, name))
     layers.check_float("ModelConfig", "rope_theta", self.rope_theta, lambda v: v > 1,
                        "a number > 1")
     layers.check_float("ModelConfig", "dropout_rate", self.dropout_rate,

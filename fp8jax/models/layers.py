@@ -96,11 +96,10 @@ def check_bool(owner: str, name: str, value: Any) -> None:
     raise ValueError(f"{owner}.{name}={value!r} is not allowed; use True or False")
 
 
-def check_scan_layers(owner: str, value: Any) -> None:
+def check_bool_or_auto(owner: str, name: str, value: Any) -> None:
   """Raises ValueError unless `value` is True, False or "auto"."""
   if not (isinstance(value, (bool, np.bool_)) or value == AUTO):
-    raise ValueError(f"{owner}.scan_layers={value!r} is not allowed; use True, False or "
-                     f"{AUTO!r}")
+    raise ValueError(f"{owner}.{name}={value!r} is not allowed; use True, False or {AUTO!r}")
 
 
 def check_tokens(tokens, cfg, owner: str) -> None:
@@ -159,6 +158,15 @@ def remat_policy_name(config) -> str:
 def scans_layers(config) -> bool:
   """Whether `config`'s layers run under ``nn.scan``; "auto" left unresolved is True."""
   return config.scan_layers == AUTO or bool(config.scan_layers)
+
+
+def fuses_gelu(config) -> bool:
+  """Whether an FP8 model of `config` applies its MLP's GELU inside fc_out's FP8 input cast:
+  ``fuse_gelu_into_fp8_cast`` True, or "auto" with the GELU MLP (on GPUs the fused cast kernel
+  then never writes the activation: one pass over the F-wide hidden state fewer per layer,
+  ``benchmarks/RESULTS.md``)."""
+  value = config.fuse_gelu_into_fp8_cast
+  return config.mlp == "gelu" and (value == AUTO or bool(value))
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -307,11 +315,11 @@ class Attention(nn.Module):
     qkv = saveable(nn.DenseGeneral((kv, g + 2, k_dim), name="qkv",
                                    **dense_kwargs(cfg, self.recipe, std))(
                                        saveable_input(x, self.recipe)))  # [B, T, KV, G+2, K]
-    if g == 1:
-      q = qkv[:, :, :, 0]
-    else:  # query head h = key/value head h // G, as jax.nn.dot_product_attention groups
-      q = qkv[:, :, :, :g].reshape(*qkv.shape[:2], h, k_dim)
-    k, v = qkv[:, :, :, g], qkv[:, :, :, g + 1]
+    # One split: its gradient is one concatenation (three indexings would give three padded
+    # copies summed). Query head h = key/value head h // G, as dot_product_attention groups.
+    q, k, v = jnp.split(qkv, (g, g + 1), axis=3)
+    q = q.reshape(*qkv.shape[:2], h, k_dim)
+    k, v = k[:, :, :, 0], v[:, :, :, 0]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     # Scores and softmax in f32 (activation x activation: no FP8), output in the compute dtype.
     impl = attention_impl_for(cfg)
@@ -340,7 +348,7 @@ class MLP(nn.Module):
     if cfg.mlp == "gelu":
       h = saveable(nn.Dense(cfg.d_ff, name="fc_in", **dense_kwargs(cfg, self.recipe, std))(
           saveable_input(x, self.recipe)))
-      if self.recipe is not None and cfg.fuse_gelu_into_fp8_cast:  # GELU inside the FP8 cast
+      if self.recipe is not None and fuses_gelu(cfg):  # GELU inside the FP8 cast
         out_kw["dot_general_cls"] = functools.partial(Fp8DotGeneral, recipe=self.recipe,
                                                       lhs_activation="gelu")
       else:

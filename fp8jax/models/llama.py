@@ -166,7 +166,7 @@ class LlamaConfig:
       layers.check_choice(owner, name, getattr(self, name), allowed)
     for name in ("remat", "remat_save_fp8_weights", "tie_embeddings"):
       layers.check_bool(owner, name, getattr(self, name))
-    layers.check_scan_layers(owner, self.scan_layers)
+    layers.check_bool_or_auto(owner, "scan_layers", self.scan_layers)
     layers.check_float(owner, "rope_theta", self.rope_theta, lambda v: v > 1, "a number > 1")
     layers.check_float(owner, "norm_eps", self.norm_eps, lambda v: 0 < v < 1,
                        "a number in (0, 1)")

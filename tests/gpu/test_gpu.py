@@ -75,8 +75,9 @@ def _e4m3_steps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 def test_fused_gelu_cast_kernel_compiles_and_matches_xla():
   """The Pallas kernel with activation="gelu" through Triton on the device: q_t is q
   transposed; q differs from the XLA reference (which may keep the GELU in f32 where the
-  kernel rounds it to bf16, and whose tanh may differ in the last bits) by at most one E4M3
-  step and rarely; its error against the exact GELU in float64 is no larger than XLA's."""
+  kernel rounds it to bf16, and whose exact tanh differs from the kernel's tanh.approx.f32 in
+  the last bits) by at most one E4M3 step and rarely; its error against the exact GELU in
+  float64 is no larger than XLA's."""
   from fp8jax.kernels import cast_transpose as ct
   seed = np.random.randint(1 << 30)
   print("seed", seed)

@@ -11,7 +11,8 @@ from conftest import rel_err
 from fp8jax import dot
 from fp8jax.config import load_config
 from fp8jax.kernels import cast_transpose as ct
-from fp8jax.models import GPT, ModelConfig, init_model, next_token_loss
+from fp8jax.models import GPT, ModelConfig, init_model, layers, next_token_loss
+from fp8jax.models.llama import LlamaConfig
 
 E4M3 = jnp.float8_e4m3fn
 DN = (((1,), (0,)), ((), ()))
@@ -98,6 +99,19 @@ def test_model_with_fused_gelu_is_as_accurate_as_the_unfused_model(key):
   print(f"gradient error vs f32: bf16 {e_bf16:.4f} unfused {e_unfused:.4f} fused {e_fused:.4f}")
   assert e_fused < 1.15 * e_unfused
   assert 3 * e_bf16 < e_fused < 0.3  # FP8 ran, and stays bounded
+
+
+def test_auto_fuses_the_gelu_mlp_only():
+  assert ModelConfig().fuse_gelu_into_fp8_cast == "auto"
+  assert layers.fuses_gelu(ModelConfig(mlp="gelu"))
+  assert not layers.fuses_gelu(ModelConfig(mlp="swiglu"))
+  assert not layers.fuses_gelu(ModelConfig(mlp="gelu", fuse_gelu_into_fp8_cast=False))
+  assert layers.fuses_gelu(ModelConfig(mlp="gelu", fuse_gelu_into_fp8_cast=True))
+  assert not layers.fuses_gelu(LlamaConfig())
+  assert load_config("configs/tiny.yaml").model.fuse_gelu_into_fp8_cast == "auto"
+  with pytest.raises(ValueError, match=r"fuse_gelu_into_fp8_cast='yes' is not allowed; use "
+                                       r"True, False or 'auto'"):
+    ModelConfig(fuse_gelu_into_fp8_cast="yes")
 
 
 def test_fused_gelu_needs_the_gelu_mlp():
