@@ -6,7 +6,7 @@ Times, on h[M, F] bf16 (an MLP's hidden pre-activation) and its gradient: XLA's 
 followed by the cast kernel (two passes, what an unfused model runs), against one Pallas
 kernel that applies the GELU (forward) or its derivative (backward, with the incoming
 gradient) while it casts, writing q, q_t and the amax as ``fp8jax.kernels.cast_transpose``
-does. Each kernel variant computes tanh exactly (``jnp.tanh``) or with the GPU's
+does (its own kernel is timed beside them). Each kernel variant computes tanh exactly (``jnp.tanh``) or with the GPU's
 ``tanh.approx.f32``; the error of each GELU against float64 is printed beside the bf16
 rounding's. The backward kernels are measured here only (fp8jax does not fuse the GELU's
 derivative into a cast yet: it needs both MLP GEMMs in one differentiated op). Milliseconds
@@ -110,7 +110,12 @@ def main():
   cast5 = fused_cast(lambda x: x, 1, E5M2, interpret)
   xla_gelu = lambda x: jax.nn.gelu(x, approximate=True)  # noqa: E731
   xla_grad = lambda d, x: jax.vjp(xla_gelu, x)[1](d)[0]  # noqa: E731
+  lib = jax.jit(lambda s, x, act=None: ct.cast_transpose_amax(  # noqa: E731
+      x, s, E4M3, interpret=interpret, activation=act), static_argnums=2)
   rows = [("forward", "cast kernel alone", ms_per_call(cast4, (s, h))),
+          ("forward", "fp8jax's cast kernel alone", ms_per_call(lib, (s, h))),
+          ("forward", "fp8jax's cast kernel with activation='gelu'",
+           ms_per_call(lib, (s, h, "gelu"))),
           ("forward", "XLA GELU, then the cast kernel",
            ms_per_call(jax.jit(lambda s, x: cast4(s, xla_gelu(x))), (s, h)))]
   for approx in (False, True):
