@@ -1,12 +1,16 @@
-"""GELU fused into the FP8 cast kernel, forward and backward, exact vs approximate tanh (GPU).
+"""Activations fused into the FP8 cast kernel: GELU forward and backward, SwiGLU forward, with
+exact vs approximate tanh (GPU).
 
-  source benchmarks/gpu_env.sh && python benchmarks/gemm/gelu_cast.py [--rows 16384 --cols 8192]
+  source benchmarks/gpu_env.sh && python benchmarks/gemm/activation_cast.py \
+      [--rows 16384 --cols 8192 --swiglu-cols 11008]
 
 Times, on h[M, F] bf16 (an MLP's hidden pre-activation) and its gradient: XLA's GELU fusion
 followed by the cast kernel (two passes, what an unfused model runs), against one Pallas
 kernel that applies the GELU (forward) or its derivative (backward, with the incoming
 gradient) while it casts, writing q, q_t and the amax as ``fp8jax.kernels.cast_transpose``
-does (its own kernel is timed beside them). Each kernel variant computes tanh exactly (``jnp.tanh``) or with the GPU's
+does (its own kernel is timed beside them). SwiGLU: the gate and up projections gu[M, F, 2]
+(the layout of fp8jax's fused gate/up GEMM output) to silu(gate) * up, cast; fp8jax does not
+fuse it yet, this measures what fusing it would save. Each kernel variant computes tanh exactly (``jnp.tanh``) or with the GPU's
 ``tanh.approx.f32``; the error of each GELU against float64 is printed beside the bf16
 rounding's. The backward kernels are measured here only (fp8jax does not fuse the GELU's
 derivative into a cast yet: it needs both MLP GEMMs in one differentiated op). Milliseconds
@@ -63,9 +67,21 @@ def gelu_grad(dy, x, tanh):
   return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * C0 * (1.0 + 3.0 * C1 * x * x))
 
 
+def silu(x, tanh):
+  return x * (0.5 + 0.5 * tanh(0.5 * x))  # sigmoid(x) = (1 + tanh(x / 2)) / 2
+
+
+def _load(ref):
+  """A block of one input as f32 tiles: [bm, bk] -> one tile; [bm, bk, 2] -> two (gate, up)."""
+  if len(ref.shape) == 3:
+    return ref[:, :, 0].astype(jnp.float32), ref[:, :, 1].astype(jnp.float32)
+  return (ref[...].astype(jnp.float32),)
+
+
 def _kernel(prologue, n_in, inv_ref, *refs, bound):
   ins, (q_ref, qt_ref, amax_ref) = refs[:n_in], refs[n_in:]
-  x = prologue(*(r[...].astype(jnp.float32) for r in ins)).astype(ins[0].dtype).astype(
+  tiles = [t for r in ins for t in _load(r)]
+  x = prologue(*tiles).astype(ins[0].dtype).astype(
       jnp.float32)  # the activation (gradient) rounded to bf16, as it would be stored
   c = jnp.clip(x * inv_ref[...], -bound, bound)
   q_ref[...] = c.astype(q_ref.dtype)
@@ -79,14 +95,15 @@ def fused_cast(prologue, n_in: int, fmt, interpret: bool, bm: int = 64, bk: int 
 
   @jax.jit
   def call(scale, *xs):
-    m, k = xs[0].shape
+    m, k = xs[0].shape[:2]
+    spec = lambda x: (pl.BlockSpec((bm, bk, 2), lambda i, j: (i, j, 0)) if x.ndim == 3  # noqa: E731
+                      else pl.BlockSpec((bm, bk), lambda i, j: (i, j)))
     q, qt, part = pl.pallas_call(
         functools.partial(_kernel, prologue, n_in, bound=scaling.fp8_max(fmt)),
         out_shape=(jax.ShapeDtypeStruct((m, k), fmt), jax.ShapeDtypeStruct((k, m), fmt),
                    jax.ShapeDtypeStruct((m // bm, k // bk), jnp.float32)),
         grid=(m // bm, k // bk),
-        in_specs=[pl.BlockSpec((None,), lambda i, j: (0,))]
-        + [pl.BlockSpec((bm, bk), lambda i, j: (i, j))] * n_in,
+        in_specs=[pl.BlockSpec((None,), lambda i, j: (0,))] + [spec(x) for x in xs],
         out_specs=(pl.BlockSpec((bm, bk), lambda i, j: (i, j)),
                    pl.BlockSpec((bk, bm), lambda i, j: (j, i)),
                    pl.BlockSpec((None, None), lambda i, j: (i, j))),
@@ -100,6 +117,7 @@ def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--rows", type=int, default=16384)
   p.add_argument("--cols", type=int, default=8192)
+  p.add_argument("--swiglu-cols", type=int, default=11008, help="F of the SwiGLU rows (7B: 11008)")
   a = p.parse_args()
   interpret = jax.default_backend() != "gpu"
   kx, kg = jax.random.split(jax.random.key(0))
@@ -129,7 +147,18 @@ def main():
                    interpret)
     rows.append(("backward", f"derivative in the cast kernel, {'approx' if approx else 'exact'}"
                  " tanh", ms_per_call(f, (s, dy, h))))
-  print(f"h[{a.rows}, {a.cols}] bf16 on {jax.devices()[0].device_kind}\n")
+  gu = (2 * jax.random.normal(kg, (a.rows, a.swiglu_cols, 2))).astype(jnp.bfloat16)
+  xla_swiglu = lambda v: jax.nn.silu(v[..., 0]) * v[..., 1]  # noqa: E731 (fp8jax's MLP)
+  rows.append(("SwiGLU forward", "cast kernel alone (on silu(gate) * up)",
+               ms_per_call(cast4, (s, jax.jit(xla_swiglu)(gu)))))
+  rows.append(("SwiGLU forward", "XLA SwiGLU, then the cast kernel",
+               ms_per_call(jax.jit(lambda s, v: cast4(s, xla_swiglu(v))), (s, gu))))
+  for approx in (False, True):
+    f = fused_cast(lambda g, u, t=tanh_of(approx, interpret): silu(g, t) * u, 1, E4M3, interpret)
+    rows.append(("SwiGLU forward", f"SwiGLU in the cast kernel, "
+                 f"{'approx' if approx else 'exact'} tanh", ms_per_call(f, (s, gu))))
+  print(f"h[{a.rows}, {a.cols}] bf16, gu[{a.rows}, {a.swiglu_cols}, 2] bf16 on "
+        f"{jax.devices()[0].device_kind}\n")
   print("| pass | variant | ms |\n|---|---|---|")
   for pass_, name, t in rows:
     print(f"| {pass_} | {name} | {t:.3f} |")
