@@ -65,6 +65,9 @@ WEIGHT_CAST_NAME = "fp8jax_weight"
 # (q_x_t with the fused kernel), its scale and amax. Saved (model.remat_policy "save_gemm_io")
 # together with the GEMM's output, the recomputation casts no activation again.
 INPUT_CAST_NAME = "fp8jax_input_cast"
+# checkpoint_name of a projection's output (the models name theirs; fp8_mlp names its hidden
+# pre-activation): saved by the remat policies that keep GEMM outputs.
+GEMM_OUTPUT_NAME = "fp8jax_gemm_output"
 # Remat policy that saves the weight casts and recomputes everything else.
 SAVE_FP8_WEIGHTS = jax.checkpoint_policies.save_only_these_names(WEIGHT_CAST_NAME)
 
@@ -201,12 +204,13 @@ def _mm(a, b, contract: tuple[int, int], scale, out_dtype, native: bool, fast_ac
   return (y * scale.astype(gemm_dtype)).astype(out_dtype)
 
 
-def _scale_before_cast(x, meta: Fp8Meta, recipe: Recipe, fmt, amax_axes, activation=None):
-  """scaling.scale_for_cast of ``activate(x, activation)`` without the amax pass where delayed
-  scaling does not need it: the tensor's amax is computed first only for current scaling or
-  a never-observed meta."""
-  cur = lambda: scaling.scale_for_cast(
-      meta, scaling.compute_amax(ct.activate(x, activation), amax_axes), recipe, fmt)
+def _scale_before_cast(x, meta: Fp8Meta, recipe: Recipe, fmt, amax_axes, activation=None,
+                       activation_input=None):
+  """scaling.scale_for_cast of ``ct.cast_operand(x, activation, activation_input)`` without
+  the amax pass where delayed scaling does not need it: the tensor's amax is computed first
+  only for current scaling or a never-observed meta."""
+  cur = lambda: scaling.scale_for_cast(meta, scaling.compute_amax(
+      ct.cast_operand(x, activation, activation_input), amax_axes), recipe, fmt)
   if recipe.scaling == "current":
     return cur()
   if recipe.calibrated:
@@ -214,12 +218,14 @@ def _scale_before_cast(x, meta: Fp8Meta, recipe: Recipe, fmt, amax_axes, activat
   return lax.cond(jnp.max(meta.amax_history) <= 0, cur, lambda: meta.scale)
 
 
-def _fused_cast(x, meta: Fp8Meta, recipe: Recipe, fmt, amax_axes, activation=None):
-  """(q, q_t, amax, scale) of x[B?, M, K] (or of ``activate(x, activation)``) in one pass of the
-  fused kernel; same values as scale_for_cast + quantize + compute_amax."""
-  scale = _scale_before_cast(x, meta, recipe, fmt, amax_axes, activation)
+def _fused_cast(x, meta: Fp8Meta, recipe: Recipe, fmt, amax_axes, activation=None,
+                activation_input=None):
+  """(q, q_t, amax, scale) of x[B?, M, K] (or of ``ct.cast_operand(x, activation,
+  activation_input)``) in one pass of the fused kernel; same values as scale_for_cast +
+  quantize + compute_amax."""
+  scale = _scale_before_cast(x, meta, recipe, fmt, amax_axes, activation, activation_input)
   q, q_t, amax = ct.cast_transpose_amax(x, scale, fmt, interpret=jax.default_backend() != "gpu",
-                                        activation=activation)
+                                        activation=activation, activation_input=activation_input)
   if amax_axes:
     amax = lax.pmax(amax, tuple(amax_axes))
   return q, q_t, amax, scale
@@ -297,12 +303,23 @@ def _fp8_matmul_fwd(x, w, meta: Fp8DotMeta, wc: WeightCast | None, cfg: _Config)
 
 
 def _fp8_matmul_bwd(cfg: _Config, res, cts):
+  return _matmul_bwd(cfg, res, *cts)
+
+
+def _matmul_bwd(cfg: _Config, res, g, meta_ct, out_activation: str | None = None,
+                out_activation_input=None, through_activation: bool = True):
+  """The backward of :func:`_fp8_matmul`. With `out_activation`, g is the cotangent of
+  ``activate(y, out_activation)`` for this GEMM's output y = `out_activation_input`: the
+  activation's derivative is applied in the gradient's cast. ``through_activation=False``
+  returns the cotangent of the activated lhs (cfg.activation's derivative left to the
+  caller)."""
   qx, qw, sx, sw, og_meta, new_in, new_k, x_pre = res  # fused: qx is q_x_t[.., K, M]
-  g, meta_ct = cts
   r = cfg.recipe
   if cfg.fused:
-    qg, qg_t, ag, sg = _fused_cast(g, og_meta, r, r.bwd_format, cfg.amax_axes)
+    qg, qg_t, ag, sg = _fused_cast(g, og_meta, r, r.bwd_format, cfg.amax_axes, out_activation,
+                                   out_activation_input)
   else:
+    g = ct.cast_operand(g, out_activation, out_activation_input)
     ag = scaling.compute_amax(g, cfg.amax_axes)
     sg = scaling.scale_for_cast(og_meta, ag, r, r.bwd_format)
     qg = scaling.quantize(g, sg, r.bwd_format)
@@ -324,8 +341,8 @@ def _fp8_matmul_bwd(cfg: _Config, res, cts):
              cfg.w_sharding)
   if cfg.w_gather is not None:
     dw = fsdp.sum_into(dw, cfg.w_gather[0], cfg.w_dtype)
-  if cfg.activation:  # through the activation, recomputed from its input (elementwise)
-    dx = jax.vjp(lambda x: ct.activate(x, cfg.activation), x_pre)[1](dx)[0]
+  if cfg.activation and through_activation:  # recomputed from its input (elementwise)
+    dx = ct.activation_grad(dx, x_pre, cfg.activation)
   new_meta = Fp8DotMeta(new_in, new_k, scaling.update_meta(og_meta, ag, r, r.bwd_format))
   new_meta = jax.tree.map(lambda a: _to_vma(a, cfg.meta_vma), new_meta)
   wc_ct = WeightCast(jnp.zeros_like(qw), jnp.zeros_like(sw), jnp.zeros_like(sw)) \
@@ -508,3 +525,111 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, meta: Fp8DotMeta, recipe: Recip
   return fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta, recipe,
                                  preferred_element_type=preferred_element_type,
                                  amax_axes=amax_axes)[0]
+
+
+def _plain_config(x_shape, x_dtype, w, out_dtype, recipe: Recipe,
+                  activation: str | None = None) -> _Config:
+  """The _Config of an x[M, K] @ w[K, N] GEMM outside shard_map (as fp8_dot_general_chained
+  builds it for such a call; logs the same notes)."""
+  (m, k), n = x_shape, w.shape[1]
+  reason = native_fp8_reason() or _gemm_reason(m, k, n, out_dtype)
+  if reason and not (active_plan() is not None and reason == native_fp8_reason()):
+    log_once(f"fp8jax: FP8 GEMMs emulated (same quantized math in f32): {reason}")
+  fused = False
+  if recipe.fused_cast_transpose:
+    why = _fused_reason(x_shape, x_dtype, (m, n), out_dtype, recipe, reason is None)
+    if why:
+      log_once(f"fp8jax: fused cast+transpose kernel not used, XLA casts instead: {why}",
+               logging.INFO)
+    fused = why is None
+  return _Config(recipe, np.dtype(out_dtype).type, reason is None, (), np.dtype(x_dtype).type,
+                 np.dtype(w.dtype).type, fused=fused, activation=activation)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _fp8_mlp(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta, cfg_in: _Config,
+             cfg_out: _Config):
+  return _fp8_mlp_fwd(x, w_in, w_out, meta_in, meta_out, cfg_in, cfg_out)[0]
+
+
+def _fp8_mlp_fwd(x, w_in, w_out, meta_in, meta_out, cfg_in, cfg_out):
+  (h, _), res_in = _fp8_matmul_fwd(x, w_in, meta_in, None, cfg_in)
+  h = checkpoint_name(h, GEMM_OUTPUT_NAME)  # the activation's input: kept by saving policies
+  (y, _), res_out = _fp8_matmul_fwd(h, w_out, meta_out, None, cfg_out)
+  return (y, meta_in, meta_out), (res_in, res_out)
+
+
+def _fp8_mlp_bwd(cfg_in, cfg_out, res, cts):
+  res_in, res_out = res
+  g, meta_in_ct, meta_out_ct = cts
+  # The second GEMM hands back the cotangent of the activated hidden state; the first applies
+  # the activation's derivative (at h, the second GEMM's saved input) inside its gradient cast.
+  dh, dw_out, new_out, _ = _matmul_bwd(cfg_out, res_out, g, meta_out_ct,
+                                       through_activation=False)
+  dx, dw_in, new_in, _ = _matmul_bwd(cfg_in, res_in, dh, meta_in_ct, cfg_out.activation,
+                                     res_out[-1])
+  return dx, dw_in, dw_out, new_in, new_out
+
+
+_fp8_mlp.defvjp(_fp8_mlp_fwd, _fp8_mlp_bwd)
+
+
+def fp8_mlp_chained(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta,
+                    recipe: Recipe = Recipe(), activation: str = "gelu", *,
+                    preferred_element_type=None):
+  """An MLP's two FP8 GEMMs in one differentiated op: ``y = activate(x @ w_in) @ w_out``
+  (:func:`fp8jax.kernels.cast_transpose.activate`); returns ``(y, meta_in_passthrough,
+  meta_out_passthrough)``, the passthroughs as for :func:`fp8_dot_general_chained`.
+
+  The same quantized math as two :func:`fp8_dot_general_chained` calls (the second with
+  ``lhs_activation``), except where the activation's derivative is applied: here inside the
+  cast of the gradient entering the first GEMM, which with ``Recipe.fused_cast_transpose`` is
+  one kernel pass (the bf16 gradient of the hidden pre-activation is never written), as the
+  activation itself is inside the second GEMM's input cast. The hidden pre-activation is
+  tagged ``GEMM_OUTPUT_NAME`` for remat policies.
+
+  Args:
+    x: activations [..., D], any float dtype; w_in [D, F]; w_out [F, N].
+    meta_in, meta_out: the two GEMMs' :class:`Fp8DotMeta` (their gradients are the updated
+      metas).
+    recipe: formats and scaling rules of both GEMMs.
+    activation: one of ``fp8jax.kernels.cast_transpose.ACTIVATIONS``.
+    preferred_element_type: dtype of the hidden state and of y (default: promoted inputs).
+  Returns y [..., N]. Outside ``shard_map`` only, on a mesh without Explicit axes (else use
+  two fp8_dot_general_chained calls).
+  """
+  if activation is None:
+    raise ValueError(f"fp8_mlp: activation=None is not allowed; use one of "
+                     f"{list(ct.ACTIVATIONS)} (without one, call fp8_dot_general twice)")
+  ct.check_activation(activation)
+  for name, meta in (("meta_in", meta_in), ("meta_out", meta_out)):
+    if not isinstance(meta, Fp8DotMeta):
+      raise TypeError(f"fp8_mlp: {name} must be an Fp8DotMeta, got {type(meta).__name__}; use "
+                      "fp8jax.init_dot_meta(recipe)")
+  if not isinstance(recipe, Recipe):
+    raise TypeError(f"fp8_mlp: recipe must be an fp8jax.Recipe, got {type(recipe).__name__}")
+  x, w_in, w_out = (jnp.asarray(a) for a in (x, w_in, w_out))
+  for name, arr in (("x", x), ("w_in", w_in), ("w_out", w_out)):
+    if not jnp.issubdtype(arr.dtype, jnp.floating):
+      raise TypeError(f"fp8_mlp: {name} must be a float array, got {arr.dtype}")
+  if (x.ndim < 1 or w_in.ndim != 2 or w_out.ndim != 2 or x.shape[-1] != w_in.shape[0]
+      or w_in.shape[1] != w_out.shape[0]):
+    raise ValueError(f"fp8_mlp: shapes x{list(x.shape)}, w_in{list(w_in.shape)}, "
+                     f"w_out{list(w_out.shape)} do not chain as x[..., D] @ w_in[D, F] @ "
+                     "w_out[F, N]")
+  if _vma(x) | _vma(w_in) | _vma(w_out) or any(
+      _vma(a) for a in jax.tree.leaves((meta_in, meta_out))):
+    raise ValueError("fp8_mlp inside shard_map is not supported; use two "
+                     "fp8_dot_general_chained calls with amax_axes")
+  if any(s is not None for s in _explicit_shardings(x, w_in) + _explicit_shardings(x, w_out)):
+    raise ValueError("fp8_mlp on a mesh with Explicit axes is not supported; use two "
+                     "fp8_dot_general_chained calls")
+  h_dtype = preferred_element_type or jnp.result_type(x.dtype, w_in.dtype)
+  y_dtype = preferred_element_type or jnp.result_type(h_dtype, w_out.dtype)
+  lead, d = x.shape[:-1], x.shape[-1]
+  m, f = math.prod(lead), w_in.shape[1]
+  x2 = x.reshape(m, d)
+  cfg_in = _plain_config((m, d), x.dtype, w_in, h_dtype, recipe)
+  cfg_out = _plain_config((m, f), h_dtype, w_out, y_dtype, recipe, activation)
+  y, meta_in, meta_out = _fp8_mlp(x2, w_in, w_out, meta_in, meta_out, cfg_in, cfg_out)
+  return y.reshape(*lead, w_out.shape[1]), meta_in, meta_out

@@ -9,12 +9,13 @@ followed by the cast kernel (two passes, what an unfused model runs), against on
 kernel that applies the GELU (forward) or its derivative (backward, with the incoming
 gradient) while it casts, writing q, q_t and the amax as ``fp8jax.kernels.cast_transpose``
 does (its own kernel is timed beside them). SwiGLU: the gate and up projections gu[M, F, 2]
-(the layout of fp8jax's fused gate/up GEMM output) to silu(gate) * up, cast; fp8jax does not
-fuse it yet, this measures what fusing it would save. Each kernel variant computes tanh exactly (``jnp.tanh``) or with the GPU's
-``tanh.approx.f32``; the error of each GELU against float64 is printed beside the bf16
-rounding's. The backward kernels are measured here only (fp8jax does not fuse the GELU's
-derivative into a cast yet: it needs both MLP GEMMs in one differentiated op). Milliseconds
-per call: median of 5 rounds of 30 back-to-back calls.
+(the layout of fp8jax's fused gate/up GEMM output) to silu(gate) * up, cast; fp8jax does
+not fuse it yet, this measures what fusing it would save. Each kernel variant computes tanh
+exactly (``jnp.tanh``) or with the GPU's ``tanh.approx.f32``; the error of each GELU against
+float64 is printed beside the bf16 rounding's. The backward kernels are the script's own;
+fp8jax's is reached through ``fp8jax.fp8_mlp_chained`` (both MLP GEMMs in one differentiated
+op; ``fp8jax bench mlp --modes fp8jax_mlp_op`` times it in the block). Milliseconds per
+call: median of 5 rounds of 30 back-to-back calls.
 """
 from __future__ import annotations
 

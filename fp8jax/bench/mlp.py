@@ -24,6 +24,9 @@ Modes:
   fp8jax_gelu_in_cast  the train recipe with the GELU computed inside the second GEMM's FP8
                      input cast (``Fp8DotGeneral(lhs_activation="gelu")``, the model's
                      ``fuse_gelu_into_fp8_cast``)
+  fp8jax_mlp_op      the block as one ``fp8jax.dot.fp8_mlp_chained`` op (train recipe): the
+                     GELU inside the second GEMM's input cast and its derivative inside the
+                     cast of the gradient entering the first GEMM
   gemms_bf16         the block's six GEMMs alone on bf16 operands (baseline of the gemms rows)
   gemms_fp8          the same GEMMs on FP8 operands cast beforehand, bf16 output
   gemms_fp8_f32out   the same with an f32 GEMM output, scaled, then cast to bf16
@@ -50,7 +53,8 @@ from flax.linen import fp8_ops
 
 from fp8jax.bench import report
 from fp8jax.bench.timing import FP8_GEMM, custom_calls, memory_gib, rel_err, time_calls
-from fp8jax.linen import Fp8DotGeneral, apply_fp8_updates
+from fp8jax.dot import fp8_mlp_chained, init_dot_meta
+from fp8jax.linen import FP8_COLLECTION, Fp8DotGeneral, apply_fp8_updates
 from fp8jax.recipe import Recipe
 
 SHAPE = (16384, 8192, 28672)  # T, D, F of benchmarks/RESULTS.md
@@ -63,7 +67,8 @@ RECIPES = {"fp8jax": TRAIN_RECIPE, "fp8jax_xla": Recipe(),
            "fp8jax_fastbwd": TRAIN_RECIPE.replace(bwd_fast_accumulation=True),
            "fp8jax_fastdgrad": TRAIN_RECIPE.replace(bwd_fast_accumulation="dgrad")}
 GELU_IN_CAST = "fp8jax_gelu_in_cast"
-BLOCK_MODES = ("bf16", "flax_fp8") + tuple(RECIPES) + (GELU_IN_CAST,)
+MLP_OP = "fp8jax_mlp_op"
+BLOCK_MODES = ("bf16", "flax_fp8") + tuple(RECIPES) + (GELU_IN_CAST, MLP_OP)
 GEMM_MODES = ("gemms_bf16", "gemms_fp8", "gemms_fp8_f32out", "gemms_fp8_tn",
               "gemms_fp8_tn_fast")
 MODES = BLOCK_MODES + GEMM_MODES
@@ -95,6 +100,31 @@ class MLP(nn.Module):
       return nn.Dense(self.model, **{**kw, "dot_general_cls": functools.partial(
           self.dot_general_cls, lhs_activation="gelu")})(h)
     return nn.Dense(self.model, **kw)(nn.gelu(h))
+
+
+class _Kernel(nn.Module):
+  """A bf16 "kernel" parameter of `shape` (``nn.Dense``'s name and initializer)."""
+  shape: tuple[int, int]
+
+  @nn.compact
+  def __call__(self):
+    return self.param("kernel", nn.initializers.lecun_normal(), self.shape, jnp.bfloat16)
+
+
+class FusedMLP(nn.Module):
+  """:class:`MLP`'s block (same parameter tree) as one ``fp8_mlp_chained`` op under `recipe`;
+  the two GEMMs' FP8 states in the FP8 collection as "fc_in" and "fc_out"."""
+  hidden: int
+  model: int
+  recipe: Recipe
+
+  @nn.compact
+  def __call__(self, x):
+    w_in = _Kernel((x.shape[-1], self.hidden), name="Dense_0")()
+    w_out = _Kernel((self.hidden, self.model), name="Dense_1")()
+    m_in, m_out = (self.variable(FP8_COLLECTION, name, init_dot_meta, self.recipe).value
+                   for name in ("fc_in", "fc_out"))
+    return fp8_mlp_chained(x, w_in, w_out, m_in, m_out, self.recipe)[0]
 
 
 def add_arguments(parser) -> None:
@@ -135,12 +165,14 @@ def parse_modes(text: str) -> tuple[str, ...]:
   return modes
 
 
-def make_model(mode: str, hidden: int, model: int) -> MLP:
+def make_model(mode: str, hidden: int, model: int) -> nn.Module:
   """The block of a block mode."""
   if mode == "bf16":
     return MLP(hidden, model)
   if mode == "flax_fp8":
     return MLP(hidden, model, fp8_ops.Fp8DirectDotGeneralOp)
+  if mode == MLP_OP:
+    return FusedMLP(hidden, model, TRAIN_RECIPE)
   if mode == GELU_IN_CAST:
     return MLP(hidden, model, functools.partial(Fp8DotGeneral, recipe=TRAIN_RECIPE), True)
   return MLP(hidden, model, functools.partial(Fp8DotGeneral, recipe=RECIPES[mode]))

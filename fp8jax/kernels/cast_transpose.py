@@ -12,9 +12,13 @@ array that jnp.max reduces outside the kernel.
 With ``activation="gelu"`` the kernel casts ``activate(x, "gelu")`` instead of x (GELU's tanh
 form computed in f32 and rounded to x's dtype, as the stored activation would be), so the
 activation of an MLP is never written to memory in bf16; q, q_t and amax are those of the
-activated tensor. On GPUs the kernel takes the tanh from the hardware's ``tanh.approx.f32``
-(relative error at most ~2**-11, below the bf16 rounding of the result that follows; the
-exact tanh makes the kernel compute-bound); interpreted it computes exactly ``activate``.
+activated tensor. With ``activation_input`` (the activation's input, shaped like x) it casts
+the gradient ``activation_grad(x, activation_input)`` instead, x being the cotangent of the
+activated tensor: an MLP's activation derivative applied inside the cast of the gradient that
+flows into its first GEMM. On GPUs the kernel takes the tanh from the hardware's
+``tanh.approx.f32`` (relative error at most ~2**-11, below the bf16 rounding of the result
+that follows; the exact tanh makes the kernel compute-bound); interpreted it computes exactly
+``activate`` / ``activation_grad``.
 
 The kernel runs on GPUs (Triton lowering; FP8 stores need sm_89+); `interpret=True` runs it
 through Pallas' interpreter anywhere (tests). :func:`cast_transpose` dispatches: kernel when
@@ -59,6 +63,15 @@ def activate(x: jax.Array, activation: str | None) -> jax.Array:
   return jax.nn.gelu(x.astype(jnp.float32), approximate=True).astype(x.dtype)
 
 
+def activation_grad(dy: jax.Array, x: jax.Array, activation: str | None) -> jax.Array:
+  """The gradient with respect to x of ``activate(x, activation)`` given its cotangent dy (same
+  shape): computed in f32, rounded to x's dtype (None: dy itself)."""
+  check_activation(activation)
+  if activation is None:
+    return dy
+  return jax.vjp(lambda v: activate(v, activation), x)[1](dy.astype(x.dtype))[0]
+
+
 @contextlib.contextmanager
 def interpret_anywhere(on: bool = True):
   """While active (at trace time), :func:`cast_transpose` uses the kernel on any backend, run
@@ -76,10 +89,20 @@ def interpreting_anywhere() -> bool:
   return _INTERPRET_ANYWHERE
 
 
-def cast_transpose_reference(x: jax.Array, scale: jax.Array, fmt, activation: str | None = None):
+def cast_operand(x, activation: str | None = None, activation_input=None):
+  """What the cast casts: x, ``activate(x)``, or with `activation_input` the gradient
+  ``activation_grad(x, activation_input)`` (x: the cotangent of the activated tensor)."""
+  if activation_input is None:
+    return activate(x, activation)
+  return activation_grad(x, activation_input, activation)
+
+
+def cast_transpose_reference(x: jax.Array, scale: jax.Array, fmt, activation: str | None = None,
+                             activation_input: jax.Array | None = None):
   """(q, q_t, amax) computed by plain XLA ops: scaling.quantize, a transpose of its result
-  (XLA may fuse it into a second cast) and scaling.compute_amax (of ``activate(x)``)."""
-  x = activate(x, activation)
+  (XLA may fuse it into a second cast) and scaling.compute_amax (of ``activate(x)``, or with
+  `activation_input` of ``activation_grad(x, activation_input)``)."""
+  x = cast_operand(x, activation, activation_input)
   q = scaling.quantize(x, scale, fmt)
   return q, jnp.swapaxes(q, -1, -2), scaling.compute_amax(x)
 
@@ -92,17 +115,32 @@ def gelu_approx_tanh(x: jax.Array) -> jax.Array:
   return x * (0.5 * (1.0 + plt.approx_tanh(c * (x + 0.044715 * (x ** 3)))))
 
 
-def _activate_in_kernel(x: jax.Array, activation: str | None, approx: bool) -> jax.Array:
-  """`activate` of a loaded tile, with the approximate tanh when `approx` (on the GPU)."""
+def gelu_grad_approx_tanh(dy: jax.Array, x: jax.Array) -> jax.Array:
+  """dy * gelu'(x) for GELU's tanh form, with the GPU's ``tanh.approx.f32`` (inside a Pallas
+  Triton kernel only; dy, x f32)."""
+  from jax.experimental.pallas import triton as plt
+  c = np.float32(np.sqrt(2 / np.pi))
+  t = plt.approx_tanh(c * (x + 0.044715 * (x ** 3)))
+  return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3 * 0.044715 * (x * x)))
+
+
+def _prologue_in_kernel(x: jax.Array, activation: str | None, activation_input,
+                        approx: bool) -> jax.Array:
+  """:func:`cast_operand` of loaded tiles, with the approximate tanh when `approx` (on the GPU)."""
   if activation is None or not approx:
-    return activate(x, activation)
-  return gelu_approx_tanh(x.astype(jnp.float32)).astype(x.dtype)
+    return cast_operand(x, activation, activation_input)
+  f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+  if activation_input is None:
+    return gelu_approx_tanh(f32(x)).astype(x.dtype)
+  return gelu_grad_approx_tanh(f32(x), f32(activation_input)).astype(activation_input.dtype)
 
 
-def _kernel(inv_ref, x_ref, q_ref, qt_ref, amax_ref, *, bound: float, activation: str | None,
-            approx: bool):
+def _kernel(inv_ref, x_ref, *refs, bound: float, activation: str | None, approx: bool,
+            with_input: bool):
+  act_in = refs[0][...] if with_input else None  # the activation's input (gradient casts)
+  q_ref, qt_ref, amax_ref = refs[1:] if with_input else refs
   inv = inv_ref[...]  # f32[]: 1 / scale, computed by XLA exactly as scaling.quantize does
-  x = _activate_in_kernel(x_ref[...], activation, approx).astype(jnp.float32)  # [bm, bk]
+  x = _prologue_in_kernel(x_ref[...], activation, act_in, approx).astype(jnp.float32)
   y = x * inv
   # Triton lowers min/max to minnum/maxnum (NaN dropped): keep NaN explicitly, as XLA does
   # (NaN payload and sign bits may differ from XLA's: compare NaN positions, not bits).
@@ -130,10 +168,13 @@ def _check(x, fmt):
 def cast_transpose_amax(x: jax.Array, scale: jax.Array, fmt, *, interpret: bool = False,
                         block_m: int = BLOCK_M, block_k: int = BLOCK_K,
                         num_warps: int = NUM_WARPS, num_stages: int | None = None,
-                        activation: str | None = None):
+                        activation: str | None = None,
+                        activation_input: jax.Array | None = None):
   """The Pallas kernel: x[B?, M, K], scale f32[] -> (q[B?, M, K], q_t[B?, K, M], amax f32[])
-  of x, or of ``activate(x, activation)`` (compiled for the GPU: with the approximate tanh,
-  see the module docstring; interpreted: exactly).
+  of x, or of ``activate(x, activation)``, or with `activation_input` (shaped like x) of the
+  gradient ``activation_grad(x, activation_input, activation)`` (x is then the cotangent of
+  the activated tensor; rounded to activation_input's dtype). Compiled for the GPU the
+  activation's tanh is the approximate one (see the module docstring); interpreted, exact.
 
   M must be a multiple of `block_m` and K of `block_k` (see :func:`kernel_reason`).
   """
@@ -150,21 +191,30 @@ def cast_transpose_amax(x: jax.Array, scale: jax.Array, fmt, *, interpret: bool 
                      f"({block_m}, {block_k})")
   gm, gk = m // block_m, k // block_k
   inv = (1.0 / jnp.asarray(scale, jnp.float32)).reshape(1)  # as scaling.quantize computes it
+  with_input = activation_input is not None
+  tile = pl.BlockSpec((None, block_m, block_k), lambda i, j, l: (i, j, l))
+  inputs = (inv, x3)
+  if with_input:
+    if activation is None or activation_input.shape != x.shape:
+      raise ValueError(f"cast_transpose_amax: activation_input needs an activation and x's "
+                       f"shape {x.shape}, got activation={activation!r}, shape "
+                       f"{activation_input.shape}")
+    _check(activation_input, fmt)
+    inputs += (activation_input if x.ndim == 3 else activation_input[None],)
   q, qt, partial = pl.pallas_call(
       functools.partial(_kernel, bound=scaling.fp8_max(fmt), activation=activation,
-                        approx=not interpret),
+                        approx=not interpret, with_input=with_input),
       out_shape=(jax.ShapeDtypeStruct((b, m, k), fmt), jax.ShapeDtypeStruct((b, k, m), fmt),
                  jax.ShapeDtypeStruct((b, gm, gk), jnp.float32)),
       grid=(b, gm, gk),
-      in_specs=[pl.BlockSpec((None,), lambda i, j, l: (0,)),
-                pl.BlockSpec((None, block_m, block_k), lambda i, j, l: (i, j, l))],
+      in_specs=[pl.BlockSpec((None,), lambda i, j, l: (0,))] + [tile] * (len(inputs) - 1),
       out_specs=(pl.BlockSpec((None, block_m, block_k), lambda i, j, l: (i, j, l)),
                  pl.BlockSpec((None, block_k, block_m), lambda i, j, l: (i, l, j)),
                  pl.BlockSpec((None, None, None), lambda i, j, l: (i, j, l))),
       compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="fp8_cast_transpose_amax",
-  )(inv, x3)
+  )(*inputs)
   if x.ndim == 2:
     q, qt = q[0], qt[0]
   return q, qt, jnp.max(partial)
@@ -189,11 +239,16 @@ def kernel_reason(shape, dtype, fmt, *, block_m: int = BLOCK_M,
   return None
 
 
-def cast_transpose(x: jax.Array, scale: jax.Array, fmt, activation: str | None = None):
-  """(q, q_t, amax) of x[B?, M, K] (or of ``activate(x, activation)``): the kernel where it
-  runs (:func:`kernel_reason`), else the XLA reference; both give identical values (with an
-  activation on a GPU: within the approximate tanh's error, see the module docstring)."""
-  if kernel_reason(x.shape, x.dtype, fmt) is None:
+def cast_transpose(x: jax.Array, scale: jax.Array, fmt, activation: str | None = None,
+                   activation_input: jax.Array | None = None):
+  """(q, q_t, amax) of x[B?, M, K] (or of ``activate(x, activation)``, or with
+  `activation_input` of ``activation_grad(x, activation_input, activation)``): the kernel
+  where it runs (:func:`kernel_reason`), else the XLA reference; both give identical values
+  (with an activation on a GPU: within the approximate tanh's error, see the module
+  docstring)."""
+  if kernel_reason(x.shape, x.dtype, fmt) is None and (
+      activation_input is None
+      or kernel_reason(activation_input.shape, activation_input.dtype, fmt) is None):
     return cast_transpose_amax(x, scale, fmt, interpret=jax.default_backend() != "gpu",
-                               activation=activation)
-  return cast_transpose_reference(x, scale, fmt, activation)
+                               activation=activation, activation_input=activation_input)
+  return cast_transpose_reference(x, scale, fmt, activation, activation_input)

@@ -42,7 +42,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from fp8jax import FP8_COLLECTION, Recipe, fsdp
-from fp8jax.dot import INPUT_CAST_NAME, WEIGHT_CAST_NAME
+from fp8jax.dot import GEMM_OUTPUT_NAME, INPUT_CAST_NAME, WEIGHT_CAST_NAME
 from fp8jax.hardware import DeviceReport, cudnn_attention_head_dim, local_report
 from fp8jax.linen import (HEALTH_COLLECTION, PERTURBATIONS, WEIGHT_CAST_COLLECTION,
                           DotGeneral, Fp8DotGeneral)
@@ -57,7 +57,6 @@ CUDNN_DTYPES = ("bfloat16", "float16")  # compute dtypes cuDNN flash attention t
 # the attention's backward residuals (causal_attention_saving_residuals); "save_gemm_io" also
 # every projection's input: its FP8 cast (fp8jax.dot.INPUT_CAST_NAME) with a recipe, else the
 # bf16 input itself (GEMM_INPUT_NAME).
-GEMM_OUTPUT_NAME = "fp8jax_gemm_output"
 GEMM_INPUT_NAME = "fp8jax_gemm_input"
 ATTENTION_RESIDUALS_NAME = "fp8jax_attention_residuals"
 _SAVED_NAMES = {

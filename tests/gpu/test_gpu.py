@@ -98,6 +98,38 @@ def test_fused_gelu_cast_kernel_compiles_and_matches_xla():
   assert float(amax) == pytest.approx(float(ramax), rel=1e-2)
 
 
+def test_gelu_gradient_cast_kernel_compiles_and_matches_xla():
+  """The kernel with activation_input (dy * gelu'(x), approximate tanh) through Triton: q_t is
+  q transposed; q is at most one E5M2 step from XLA's exact derivative, rarely, and no less
+  accurate against float64."""
+  from fp8jax.kernels import cast_transpose as ct
+  seed = np.random.randint(1 << 30)
+  print("seed", seed)
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  dy = jax.random.normal(k1, (4096, 2048)).astype(jnp.bfloat16)
+  x = (2 * jax.random.normal(k2, (4096, 2048))).astype(jnp.bfloat16)
+  scale, e5m2 = jnp.float32(2.0 ** -10), jnp.float8_e5m2
+  q, q_t, amax = ct.cast_transpose_amax(dy, scale, e5m2, activation="gelu", activation_input=x)
+  rq, _, ramax = jax.jit(ct.cast_transpose_reference, static_argnums=(2, 3))(
+      dy, scale, e5m2, "gelu", x)
+  q32, rq32 = np.asarray(q, np.float32), np.asarray(rq, np.float32)
+  np.testing.assert_array_equal(np.asarray(q_t, np.float32), q32.T)
+  m = np.maximum(np.abs(q32), np.abs(rq32))
+  steps = np.abs(q32 - rq32) / np.exp2(np.maximum(np.floor(np.log2(np.where(m > 0, m, 1.0))),
+                                                  -14.0) - 2.0)
+  big = m > 1e-3 * np.max(np.abs(rq32))  # where gelu' nearly vanishes: judged absolutely
+  assert np.max(steps[big]) <= 1.0 and np.mean(steps > 0) < 5e-2, (np.max(steps[big]),
+                                                                   np.mean(steps > 0))
+  assert np.max(np.abs(q32 - rq32)[~big]) <= 1e-3 * np.max(np.abs(rq32))
+  x64, dy64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+  t = np.tanh(np.sqrt(2 / np.pi) * (x64 + 0.044715 * x64**3))
+  exact = dy64 * (0.5 * (1 + t) + 0.5 * x64 * (1 - t * t) * np.sqrt(2 / np.pi)
+                  * (1 + 3 * 0.044715 * x64**2))
+  rel = lambda a: np.linalg.norm(a * float(scale) - exact) / np.linalg.norm(exact)
+  assert 3e-2 < rel(q32) <= 1.02 * rel(rq32), (rel(q32), rel(rq32))
+  assert float(amax) == pytest.approx(float(ramax), rel=1e-2)
+
+
 def test_saved_gemm_outputs_with_cudnn_attention_skip_its_forward():
   """remat_policy="save_gemm_outputs" with cuDNN attention: the compiled step runs the
   attention forward once per layer (not again in the recomputation), and its gradients are as

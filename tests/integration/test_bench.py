@@ -227,3 +227,24 @@ def test_mlp_tn_gemms_compute_the_same_products(key):
     assert a.shape == b.shape and float(jax.numpy.max(jax.numpy.abs(a.astype(float)))) > 0
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2,
                                atol=1e-6)
+
+
+def test_mlp_op_mode_is_the_same_block(key):
+  """fp8jax_mlp_op (the block as one fp8_mlp_chained op) takes the block's parameter tree and
+  computes what fp8jax_gelu_in_cast computes (the same quantized math; only where GELU's
+  derivative is applied differs), with all six GEMMs in the program."""
+  t, d, f = mlp.SMALL_SHAPE
+  kx, kc, kp = jax.random.split(key, 3)
+  x = jax.random.normal(kx, (t, d)).astype(jax.numpy.bfloat16)
+  ct = (jax.random.normal(kc, (t, d)) / (t * d)).astype(jax.numpy.bfloat16)
+  params = mlp.MLP(f, d).init(kp, x)["params"]
+  out = {}
+  for mode in (mlp.GELU_IN_CAST, mlp.MLP_OP):
+    compiled, variables = mlp.warm_block(mode, x, ct, params, kp)
+    dv, dx, y = compiled(variables, x, ct)
+    out[mode] = (y, dx, dv["params"]["Dense_0"]["kernel"], dv["params"]["Dense_1"]["kernel"])
+    assert compiled.as_text().count(" dot(") == 6
+  for a, b in zip(out[mlp.MLP_OP], out[mlp.GELU_IN_CAST], strict=True):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert float(np.max(np.abs(b))) > 0
+    np.testing.assert_allclose(a, b, rtol=0.1, atol=0.02 * float(np.max(np.abs(b))))

@@ -38,6 +38,52 @@ def test_kernel_casts_the_activation(key):
     ct.cast_transpose_amax(x, scale, E4M3, interpret=True, activation="relu")
 
 
+def _e5m2_steps(a, b):
+  """|a - b| in units of the E5M2 spacing at max(|a|, |b|) (2**(e - 2); subnormals 2**-16)."""
+  m = np.maximum(np.abs(a), np.abs(b))
+  spacing = np.exp2(np.maximum(np.floor(np.log2(np.where(m > 0, m, 1.0))), -14.0) - 2.0)
+  return np.abs(a - b) / spacing
+
+
+def test_kernel_casts_the_activations_gradient(key):
+  """With activation_input the kernel casts dy * gelu'(x) (the gradient entering an MLP's first
+  GEMM): q_t is q transposed, q is the XLA reference's up to a rare one-step rounding (the
+  derivative's f32 arithmetic may contract differently), and its error against float64 is
+  E5M2's."""
+  k1, k2 = jax.random.split(key)
+  dy = jax.random.normal(k1, (128, 256)).astype(jnp.bfloat16)
+  x = (2 * jax.random.normal(k2, (128, 256))).astype(jnp.bfloat16)
+  scale = jnp.float32(2.0 ** -10)
+  e5m2 = jnp.float8_e5m2
+  q, q_t, amax = ct.cast_transpose_amax(dy, scale, e5m2, interpret=True, activation="gelu",
+                                        activation_input=x)
+  rq, _, ramax = ct.cast_transpose_reference(dy, scale, e5m2, "gelu", x)
+  q32, rq32 = np.asarray(q, np.float32), np.asarray(rq, np.float32)
+  np.testing.assert_array_equal(np.asarray(q_t, np.float32), q32.T)
+  # Where GELU's derivative nearly vanishes (x < -4) its two terms cancel in f32 and a
+  # different contraction moves the tiny result by more: judged absolutely there.
+  big = np.maximum(np.abs(q32), np.abs(rq32)) > 1e-3 * np.max(np.abs(rq32))
+  steps = _e5m2_steps(q32, rq32)
+  assert np.max(steps[big]) <= 1.0 and np.mean(steps > 0) < 2e-2, (np.max(steps[big]),
+                                                                    np.mean(steps > 0))
+  assert np.max(np.abs(q32 - rq32)[~big]) <= 1e-3 * np.max(np.abs(rq32))
+  x64, dy64 = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+  eps = 1e-4
+  exact = dy64 * (_gelu64(x64 + eps) - _gelu64(x64 - eps)) / (2 * eps)
+  assert float(amax) == pytest.approx(float(np.max(np.abs(exact))), rel=1e-2)
+  assert float(amax) == pytest.approx(float(ramax), rel=1e-2)
+  err = rel_err(q32 * float(scale), exact)
+  assert 3e-2 < err < 0.15, err  # E5M2 rounding (BF16 alone: ~3e-3)
+  same = ct.cast_transpose_amax(dy[None], scale, e5m2, interpret=True, activation="gelu",
+                                activation_input=x[None])
+  np.testing.assert_array_equal(np.asarray(same[0][0], np.float32), q32)  # [B, M, K] too
+  with pytest.raises(ValueError, match="activation_input needs an activation and x's shape"):
+    ct.cast_transpose_amax(dy, scale, e5m2, interpret=True, activation_input=x)
+  with pytest.raises(ValueError, match="activation_input needs an activation and x's shape"):
+    ct.cast_transpose_amax(dy, scale, e5m2, interpret=True, activation="gelu",
+                           activation_input=x[:64])
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_dot_with_gelu_matches_unfused_and_float64(key, fused):
   kx, kw, kg = jax.random.split(key, 3)

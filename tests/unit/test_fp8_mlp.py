@@ -1,0 +1,130 @@
+"""fp8jax.dot.fp8_mlp_chained: an MLP's two FP8 GEMMs in one differentiated op, the GELU
+inside the second GEMM's input cast and its derivative inside the cast of the gradient that
+enters the first. Checked against two fp8_dot_general_chained calls (the same quantized
+math), against float64 (FP8's error, not BF16's), under remat, and for bad input."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fp8jax
+from conftest import rel_err
+from fp8jax import dot
+from fp8jax.kernels import cast_transpose as ct
+
+DN = (((2,), (0,)), ((), ()))  # x[B, T, D] . w[D, F], as nn.Dense calls it
+
+
+def _gelu64(x):
+  return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _data(key, b=2, t=64, d=128, f=256, n=128):
+  kx, k1, k2, kg = jax.random.split(key, 4)
+  x = jax.random.normal(kx, (b, t, d)).astype(jnp.bfloat16)
+  w_in = (jax.random.normal(k1, (d, f)) / np.sqrt(d)).astype(jnp.bfloat16)
+  w_out = (jax.random.normal(k2, (f, n)) / np.sqrt(f)).astype(jnp.bfloat16)
+  g = jax.random.normal(kg, (b, t, n)).astype(jnp.bfloat16)
+  return x, w_in, w_out, g
+
+
+def _fused(x, w_in, w_out, m_in, m_out, recipe):
+  return dot.fp8_mlp_chained(x, w_in, w_out, m_in, m_out, recipe)[0]
+
+
+def _two_calls(x, w_in, w_out, m_in, m_out, recipe):
+  h = dot.fp8_dot_general_chained(x, w_in, DN, m_in, recipe)[0]
+  return dot.fp8_dot_general_chained(h, w_out, DN, m_out, recipe, lhs_activation="gelu")[0]
+
+
+def _grads(fn, x, w_in, w_out, g, m_in, m_out, recipe):
+  """(y, dx, dw_in, dw_out, new meta_in, new meta_out)."""
+  y, vjp = jax.vjp(lambda *a: fn(*a, recipe), x, w_in, w_out, m_in, m_out)
+  return (y, *vjp(g))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_matches_two_gemm_calls(key, fused):
+  x, w_in, w_out, g = _data(key)
+  recipe = fp8jax.Recipe(amax_history_len=4, fused_cast_transpose=fused)
+  m_in, m_out = fp8jax.init_dot_meta(recipe), fp8jax.init_dot_meta(recipe)
+  with ct.interpret_anywhere(fused):
+    run_fused = jax.jit(lambda *a: _grads(_fused, *a, recipe))
+    run_plain = jax.jit(lambda *a: _grads(_two_calls, *a, recipe))
+    for step in range(2):  # never-observed metas (just-in-time scales), then delayed scales
+      a = run_fused(x * (step + 1), w_in, w_out, g, m_in, m_out)
+      b = run_plain(x * (step + 1), w_in, w_out, g, m_in, m_out)
+      for u, v in zip(jax.tree.leaves(a[:4]), jax.tree.leaves(b[:4]), strict=True):
+        u, v = np.asarray(u, np.float32), np.asarray(v, np.float32)
+        # Same quantized math; XLA and the kernel may contract the derivative's f32
+        # arithmetic differently, which moves a rare rounding of the E5M2 gradient.
+        assert np.mean(u != v) < 2e-2
+        np.testing.assert_allclose(u, v, rtol=0.1, atol=0.02 * float(np.max(np.abs(v))))
+      for u, v in zip(jax.tree.leaves(a[4:]), jax.tree.leaves(b[4:]), strict=True):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-2)  # scales, amaxes
+      m_in, m_out = b[4], b[5]
+  with ct.interpret_anywhere(fused):  # kernels: x, GELU(h); g_y, GELU'(h) * (g_y w_out^T)
+    jaxpr = str(jax.make_jaxpr(lambda *a: _grads(_fused, *a, recipe))(x, w_in, w_out, g, m_in,
+                                                                        m_out))
+  assert jaxpr.count("pallas_call") == (4 if fused else 0)
+
+
+def test_error_against_float64_is_fp8s(key):
+  x, w_in, w_out, g = _data(key)
+  recipe = fp8jax.Recipe(fused_cast_transpose=True)
+  m = fp8jax.init_dot_meta(recipe)
+  with ct.interpret_anywhere():
+    y, dx, dw_in, dw_out = jax.jit(lambda *a: _grads(_fused, *a, m, m, recipe))(
+        x, w_in, w_out, g)[:4]
+  x64, wi, wo, g64 = (np.asarray(a, np.float64) for a in (x, w_in, w_out, g))
+  h = x64 @ wi
+  a = _gelu64(h)
+  eps = 1e-4
+  dgelu = (_gelu64(h + eps) - _gelu64(h - eps)) / (2 * eps)
+  gh = (g64 @ wo.T) * dgelu
+  refs = (a @ wo, gh @ wi.T, x64.reshape(-1, x64.shape[-1]).T @ gh.reshape(-1, gh.shape[-1]),
+          a.reshape(-1, a.shape[-1]).T @ g64.reshape(-1, g64.shape[-1]))
+  bf = lambda v: np.asarray(jnp.asarray(v, jnp.bfloat16), np.float64)  # noqa: E731
+  hb = bf(bf(x64) @ bf(wi))
+  ab = bf(_gelu64(hb))
+  ghb = bf(bf(bf(g64) @ bf(wo).T) * dgelu)
+  bf16 = (ab @ bf(wo), ghb @ bf(wi).T,
+          bf(x64).reshape(-1, x64.shape[-1]).T @ ghb.reshape(-1, ghb.shape[-1]),
+          ab.reshape(-1, ab.shape[-1]).T @ bf(g64).reshape(-1, g64.shape[-1]))
+  for name, got, ref, b16 in zip(("y", "dx", "dw_in", "dw_out"), (y, dx, dw_in, dw_out), refs,
+                                 bf16):
+    e = rel_err(got, ref)
+    assert 3 * rel_err(b16, ref) < e < 0.15, (name, e, rel_err(b16, ref))  # FP8 ran, bounded
+
+
+def test_remat_keeps_the_results(key):
+  """Under jax.checkpoint saving GEMM outputs and input casts the op gives the same values as
+  without remat (the saved hidden state is its tagged GEMM output)."""
+  x, w_in, w_out, g = _data(key, t=32)
+  recipe = fp8jax.Recipe()
+  m = fp8jax.init_dot_meta(recipe)
+  policy = jax.checkpoint_policies.save_only_these_names(
+      dot.GEMM_OUTPUT_NAME, dot.INPUT_CAST_NAME, dot.WEIGHT_CAST_NAME)
+  rematted = jax.checkpoint(lambda *a: _fused(*a, recipe), policy=policy)
+  a = jax.jit(lambda *v: _grads(lambda *u: rematted(*u[:-1]), *v, m, m, recipe))(
+      x, w_in, w_out, g)
+  b = jax.jit(lambda *v: _grads(_fused, *v, m, m, recipe))(x, w_in, w_out, g)
+  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_allclose(np.asarray(u, np.float32), np.asarray(v, np.float32),
+                               rtol=1e-2, atol=1e-2 * float(np.max(np.abs(np.asarray(v, np.float32)))))
+
+
+def test_bad_input():
+  x = jnp.ones((4, 16), jnp.bfloat16)
+  w_in, w_out = jnp.ones((16, 32), jnp.bfloat16), jnp.ones((32, 8), jnp.bfloat16)
+  m = fp8jax.init_dot_meta()
+  with pytest.raises(ValueError, match="activation=None is not allowed"):
+    dot.fp8_mlp_chained(x, w_in, w_out, m, m, activation=None)
+  with pytest.raises(ValueError, match=r"activation='relu' is not allowed"):
+    dot.fp8_mlp_chained(x, w_in, w_out, m, m, activation="relu")
+  with pytest.raises(ValueError, match=r"do not chain as x\[..., D\] @ w_in\[D, F\]"):
+    dot.fp8_mlp_chained(x, w_out, w_in, m, m)
+  with pytest.raises(TypeError, match="meta_out must be an Fp8DotMeta"):
+    dot.fp8_mlp_chained(x, w_in, w_out, m, m.input)
+  with pytest.raises(TypeError, match="x must be a float array"):
+    dot.fp8_mlp_chained(jnp.ones((4, 16), jnp.int32), w_in, w_out, m, m)
