@@ -33,7 +33,8 @@ def test_trainer_skips_nan_steps_reloads_after_k_and_falls_back_to_bf16(tmp_path
   cfg = load_config(ft_util.tiny_config(
       tmp_path / "c.yaml", tmp_path / "run", train={"steps": 10, "seed": seed},
       checkpoint={"checkpoint_every_n_steps": 2, "auto_resume": False},
-      runtime={"max_consecutive_skips": 2, "divergence_check_every": 2}))
+      runtime={"max_consecutive_skips": 2, "divergence_check_every": 2,
+               "divergence_threshold": 0.03}))
   trainer = Trainer(cfg, progress=False)
   vocab = cfg.model.vocab_size
 
@@ -52,7 +53,8 @@ def test_trainer_skips_nan_steps_reloads_after_k_and_falls_back_to_bf16(tmp_path
   assert not all(np.array_equal(a, b) for a, b in zip(before, _bits(good.params)))
 
   # the loop: steps 2 and 3 poisoned -> two skips in a row -> reload checkpoint 2;
-  # the divergence check at step 6 sees a BF16 loss 5% away -> BF16 fallback
+  # the divergence check at step 6 sees a BF16 loss 10% away -> BF16 fallback (threshold 3%:
+  # the tiny model's real FP8 vs BF16 gap at its first step is ~1%, at some seeds just above)
   trainer.train_batches.restore({**trainer.train_batches.state(), "position": 0})
   plain_next, plain_bf16 = trainer.next_batch, trainer._bf16_loss
   checks = []
@@ -64,7 +66,7 @@ def test_trainer_skips_nan_steps_reloads_after_k_and_falls_back_to_bf16(tmp_path
   def bf16_loss(params, batch):  # called before the step: the state holds the steps done
     step = int(trainer.state.step)
     checks.append(step)
-    return plain_bf16(params, batch) * (1.05 if step >= 6 else 1.0)
+    return plain_bf16(params, batch) * (1.10 if step >= 6 else 1.0)
 
   trainer.next_batch, trainer._bf16_loss = next_batch, bf16_loss
   with caplog.at_level("WARNING", logger="fp8jax"):
@@ -77,11 +79,11 @@ def test_trainer_skips_nan_steps_reloads_after_k_and_falls_back_to_bf16(tmp_path
   skips = [r for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl"))
            if "skipped_steps" in r]
   assert [(r["step"], r["skipped_steps"]) for r in skips] == [(3, 1), (4, 2)]
-  assert checks == [0, 2, 4, 6]  # no false alarm at 0 and 4 (real FP8 vs BF16 gap < 1%)
+  assert checks == [0, 2, 4, 6]  # no false alarm at 0 and 4 (real FP8 vs BF16 gap < 3%)
   events = [json.loads(line) for line in open(tmp_path / "run" / "events.jsonl")]
   events = [e for e in events if e["event"] != "metric_absent"]  # CPU: no MFU, no memory
   assert [e["event"] for e in events] == ["bf16_fallback"] and events[0]["step"] == 7
-  assert "relative gap" in events[0]["reason"] and "> 1.000%" in events[0]["reason"]
+  assert "relative gap" in events[0]["reason"] and "> 3.000%" in events[0]["reason"]
   assert trainer.model.recipe is None and trainer.state.fp8 == {}
   assert trainer.fallback_reason == events[0]["reason"]
 
