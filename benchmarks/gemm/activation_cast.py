@@ -23,7 +23,6 @@ import argparse
 import functools
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -32,24 +31,13 @@ from jax.experimental import pallas as pl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from benchmarks.common import calls  # noqa: E402
 from fp8jax import scaling  # noqa: E402
 from fp8jax.kernels import cast_transpose as ct  # noqa: E402
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 C0, C1 = float(np.sqrt(2 / np.pi)), 0.044715
-
-
-def ms_per_call(fn, args, calls: int = 30, rounds: int = 5) -> float:
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(rounds):
-    t0 = time.perf_counter()
-    out = None
-    for _ in range(calls):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append(1e3 * (time.perf_counter() - t0) / calls)
-  return float(np.median(times))
+ms_per_call = functools.partial(calls.ms_per_call, calls=30)
 
 
 def tanh_of(approx: bool, interpret: bool):

@@ -25,6 +25,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import fp8jax  # noqa: E402
+from benchmarks.common.calls import ms_per_call  # noqa: E402
 from fp8jax.bench import mlp as mb  # noqa: E402
 from fp8jax.bench.timing import FP8_GEMM, custom_calls, rel_err, time_calls  # noqa: E402
 from fp8jax.kernels import cast_transpose as ct  # noqa: E402
@@ -32,20 +33,6 @@ from fp8jax.kernels import cast_transpose as ct  # noqa: E402
 SHAPES = [(16384, 2048), (16384, 8192), (2048, 8192)]
 TILINGS = [(64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 4), (128, 128, 8)]
 FMT = jnp.float8_e4m3fn
-
-
-def _ms_per_call(fn, args, calls: int = 50, repeats: int = 5) -> float:
-  """Median over `repeats` of (time for `calls` back-to-back async calls) / calls, in ms."""
-  jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    out = None
-    for _ in range(calls):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    ts.append((time.perf_counter() - t0) / calls)
-  return 1e3 * float(np.median(ts))
 
 
 def _same(out, ref) -> bool:
@@ -70,7 +57,7 @@ def part_a():
       scale = jnp.float32(float(jnp.max(jnp.abs(x[8:]).astype(jnp.float32))) / 448.0)
       gb = 4.0 * m * k / 1e9
       ref = ref_fn(x, scale)
-      t_ref = _ms_per_call(ref_fn, (x, scale))
+      t_ref = ms_per_call(ref_fn, (x, scale))
       print(f"{m:6d}x{k:<6d} {'xla':>16s} {t_ref:8.3f} {gb / t_ref * 1e3:7.0f} {1.0:6.2f} "
             f"{'ref':>9s}", flush=True)
       for bm, bk, warps in TILINGS:
@@ -79,7 +66,7 @@ def part_a():
           fn = jax.jit(functools.partial(ct.cast_transpose_amax, fmt=FMT, block_m=bm,
                                          block_k=bk, num_warps=warps))
           same = _same(fn(x, scale), ref)
-          t = _ms_per_call(fn, (x, scale))
+          t = ms_per_call(fn, (x, scale))
           print(f"{'':13s} {name:>16s} {t:8.3f} {gb / t * 1e3:7.0f} {t_ref / t:6.2f} "
                 f"{str(same):>9s}", flush=True)
         except Exception as e:  # noqa: BLE001
