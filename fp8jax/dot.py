@@ -22,6 +22,10 @@ are cast by one fused kernel (:mod:`fp8jax.kernels.cast_transpose`) that also wr
 transposed FP8 copies and amaxes; the residual is the transposed activation, and the weight
 gradient contracts the last axes of both transposed operands (cuBLASLt's "TN" layout).
 
+:func:`fp8_mlp_chained` runs an MLP's two GEMMs as one custom VJP: its activation inside the
+second GEMM's input cast, the activation's derivative inside the cast of the gradient entering
+the first (one kernel pass each with the fused kernel).
+
 The updated :class:`Fp8DotMeta` comes back from the backward pass as the cotangent of the
 meta argument (the overwrite-with-gradient convention): ``jax.grad`` with respect to the meta
 returns the new meta. :func:`fp8_dot_general_chained` also returns the meta unchanged as a
