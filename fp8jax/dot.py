@@ -189,8 +189,9 @@ def _mm(a, b, contract: tuple[int, int], scale, out_dtype, native: bool, fast_ac
   Native: the FP8 arrays go straight to dot_general. `fast_accum` (Precision.DEFAULT) lets
   cuBLASLt accumulate in the tensor cores' reduced precision, which is fine for forward
   GEMMs; backward GEMMs (long contractions over tokens) ask for HIGHEST, i.e. exact f32
-  accumulation, unless the recipe sets `bwd_fast_accumulation`. The GEMM writes bf16/f32 directly and the scale is applied in that dtype
-  (f16 goes through f32: unscaled sums can exceed its range).
+  accumulation, unless the recipe sets `bwd_fast_accumulation`. The GEMM writes bf16/f32
+  directly and the scale is applied in that dtype (f16 goes through f32: unscaled sums can
+  exceed its range).
   """
   batch = ((0,), (0,)) if a.ndim == 3 else ((), ())
   dn = (((contract[0],), (contract[1],)), batch)
@@ -244,6 +245,30 @@ def _fused_reason(x_shape, x_dtype, g_shape, g_dtype, recipe: Recipe, native: bo
             "sharded operands around it")
   return (ct.kernel_reason(x_shape, x_dtype, recipe.fwd_format)
           or ct.kernel_reason(g_shape, g_dtype, recipe.bwd_format))
+
+
+def _native_reason(m: int, k: int, n: int, out_dtype) -> str | None:
+  """Why an [M, K] @ [K, N] GEMM is emulated (None: native FP8), logged once per reason."""
+  reason = native_fp8_reason() or _gemm_reason(m, k, n, out_dtype)
+  if reason and not (active_plan() is not None and reason == native_fp8_reason()):
+    # (an installed plan's reason is reported by whoever installed it: the Trainer prints it)
+    log_once(f"fp8jax: FP8 GEMMs emulated (same quantized math in f32): {reason}")
+  return reason
+
+
+def _uses_fused_kernel(x_shape, x_dtype, g_shape, g_dtype, recipe: Recipe, native: bool,
+                       in_shard_map: bool) -> bool:
+  """Whether the GEMM casts with the fused kernel (Recipe.fused_cast_transpose, where it runs);
+  the reason it does not is logged once (a speed note: same values either way)."""
+  if not recipe.fused_cast_transpose:
+    return False
+  why = _fused_reason(x_shape, x_dtype, g_shape, g_dtype, recipe, native)
+  if why is None and in_shard_map:
+    why = "inside shard_map (the kernel is not checked there yet)"
+  if why:
+    log_once(f"fp8jax: fused cast+transpose kernel not used, XLA casts instead: {why}",
+             logging.INFO)
+  return why is None
 
 
 def _name_cast(name: str, *arrays):
@@ -490,26 +515,15 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
       rhs = fsdp.gather_array(rhs, *weight_shardings)
   x = jnp.transpose(lhs, lperm).reshape((b, m, k) if batched else (m, k))
   w = jnp.transpose(rhs, rperm).reshape((b, k, n) if batched else (k, n))
-  reason = native_fp8_reason() or _gemm_reason(m, k, n, out_dtype)
-  if reason and not (active_plan() is not None and reason == native_fp8_reason()):
-    # (an installed plan's reason is reported by whoever installed it: the Trainer prints it)
-    log_once(f"fp8jax: FP8 GEMMs emulated (same quantized math in f32): {reason}")
+  reason = _native_reason(m, k, n, out_dtype)
   x, w = _agree_on_vma(x, w, amax_axes)
   meta_vma = frozenset().union(*(_vma(a) for a in jax.tree.leaves(meta)))
   if weight_cast is not None:
     _check_weight_cast(weight_cast, rhs, recipe, _vma(x) | meta_vma)
     q = jnp.transpose(weight_cast.q, rperm).reshape(w.shape)
     weight_cast = WeightCast(q, *(jnp.asarray(a, jnp.float32) for a in weight_cast[1:]))
-  fused = False
-  if recipe.fused_cast_transpose:
-    g_shape = (b, m, n) if batched else (m, n)
-    why = _fused_reason(x.shape, x.dtype, g_shape, out_dtype, recipe, reason is None)
-    if why is None and (_vma(x) or meta_vma):
-      why = "inside shard_map (the kernel is not checked there yet)"
-    if why:
-      log_once(f"fp8jax: fused cast+transpose kernel not used, XLA casts instead: {why}",
-               logging.INFO)  # same values either way; a speed note
-    fused = why is None
+  fused = _uses_fused_kernel(x.shape, x.dtype, (b, m, n) if batched else (m, n), out_dtype,
+                             recipe, reason is None, bool(_vma(x) or meta_vma))
   cfg = _Config(recipe, np.dtype(out_dtype).type, reason is None, tuple(amax_axes),
                 np.dtype(lhs.dtype).type, np.dtype(rhs.dtype).type, meta_vma,
                 *_explicit_shardings(x, w), fused=fused, weight_cast=weight_cast is not None,
@@ -536,16 +550,8 @@ def _plain_config(x_shape, x_dtype, w, out_dtype, recipe: Recipe,
   """The _Config of an x[M, K] @ w[K, N] GEMM outside shard_map (as fp8_dot_general_chained
   builds it for such a call; logs the same notes)."""
   (m, k), n = x_shape, w.shape[1]
-  reason = native_fp8_reason() or _gemm_reason(m, k, n, out_dtype)
-  if reason and not (active_plan() is not None and reason == native_fp8_reason()):
-    log_once(f"fp8jax: FP8 GEMMs emulated (same quantized math in f32): {reason}")
-  fused = False
-  if recipe.fused_cast_transpose:
-    why = _fused_reason(x_shape, x_dtype, (m, n), out_dtype, recipe, reason is None)
-    if why:
-      log_once(f"fp8jax: fused cast+transpose kernel not used, XLA casts instead: {why}",
-               logging.INFO)
-    fused = why is None
+  reason = _native_reason(m, k, n, out_dtype)
+  fused = _uses_fused_kernel(x_shape, x_dtype, (m, n), out_dtype, recipe, reason is None, False)
   return _Config(recipe, np.dtype(out_dtype).type, reason is None, (), np.dtype(x_dtype).type,
                  np.dtype(w.dtype).type, fused=fused, activation=activation)
 

@@ -21,8 +21,8 @@ that follows; the exact tanh makes the kernel compute-bound); interpreted it com
 ``activate`` / ``activation_grad``.
 
 The kernel runs on GPUs (Triton lowering; FP8 stores need sm_89+); `interpret=True` runs it
-through Pallas' interpreter anywhere (tests). :func:`cast_transpose` dispatches: kernel when
-:func:`kernel_reason` is None, else :func:`cast_transpose_reference` (plain XLA).
+through Pallas' interpreter anywhere (tests). :func:`kernel_reason` says where the kernel
+runs; elsewhere :func:`cast_transpose_reference` computes the same values with plain XLA.
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def activation_grad(dy: jax.Array, x: jax.Array, activation: str | None) -> jax.
 
 @contextlib.contextmanager
 def interpret_anywhere(on: bool = True):
-  """While active (at trace time), :func:`cast_transpose` uses the kernel on any backend, run
+  """While active (at trace time), :func:`kernel_reason` allows the kernel on any backend, run
   through Pallas' interpreter off GPUs: lets CPU tests exercise the fused path end to end."""
   global _INTERPRET_ANYWHERE
   prev, _INTERPRET_ANYWHERE = _INTERPRET_ANYWHERE, on
@@ -107,27 +107,31 @@ def cast_transpose_reference(x: jax.Array, scale: jax.Array, fmt, activation: st
   return q, jnp.swapaxes(q, -1, -2), scaling.compute_amax(x)
 
 
-def gelu_approx_tanh(x: jax.Array) -> jax.Array:
-  """jax.nn.gelu(x, approximate=True)'s expression with the GPU's ``tanh.approx.f32`` for the
-  tanh (inside a Pallas Triton kernel only; x f32)."""
+_GELU_C = np.float32(np.sqrt(2 / np.pi))  # GELU's tanh form: tanh(C * (x + 0.044715 x^3))
+
+
+def _gelu_tanh_approx(x: jax.Array) -> jax.Array:
+  """GELU's tanh term with the GPU's ``tanh.approx.f32`` (inside a Pallas Triton kernel only;
+  x f32)."""
   from jax.experimental.pallas import triton as plt
-  c = np.float32(np.sqrt(2 / np.pi))
-  return x * (0.5 * (1.0 + plt.approx_tanh(c * (x + 0.044715 * (x ** 3)))))
+  return plt.approx_tanh(_GELU_C * (x + 0.044715 * (x ** 3)))
+
+
+def gelu_approx_tanh(x: jax.Array) -> jax.Array:
+  """jax.nn.gelu(x, approximate=True)'s expression with the approximate tanh (x f32)."""
+  return x * (0.5 * (1.0 + _gelu_tanh_approx(x)))
 
 
 def gelu_grad_approx_tanh(dy: jax.Array, x: jax.Array) -> jax.Array:
-  """dy * gelu'(x) for GELU's tanh form, with the GPU's ``tanh.approx.f32`` (inside a Pallas
-  Triton kernel only; dy, x f32)."""
-  from jax.experimental.pallas import triton as plt
-  c = np.float32(np.sqrt(2 / np.pi))
-  t = plt.approx_tanh(c * (x + 0.044715 * (x ** 3)))
-  return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3 * 0.044715 * (x * x)))
+  """dy * gelu'(x) for GELU's tanh form, with the approximate tanh (dy, x f32)."""
+  t = _gelu_tanh_approx(x)
+  return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _GELU_C * (1.0 + 3 * 0.044715 * x * x))
 
 
 def _prologue_in_kernel(x: jax.Array, activation: str | None, activation_input,
                         approx: bool) -> jax.Array:
   """:func:`cast_operand` of loaded tiles, with the approximate tanh when `approx` (on the GPU)."""
-  if activation is None or not approx:
+  if activation != "gelu" or not approx:  # (only GELU has an approximate form)
     return cast_operand(x, activation, activation_input)
   f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
   if activation_input is None:
@@ -222,7 +226,7 @@ def cast_transpose_amax(x: jax.Array, scale: jax.Array, fmt, *, interpret: bool 
 
 def kernel_reason(shape, dtype, fmt, *, block_m: int = BLOCK_M,
                   block_k: int = BLOCK_K) -> str | None:
-  """None when :func:`cast_transpose` runs the kernel for x of `shape`/`dtype`, else why not."""
+  """None when the kernel runs for x of `shape`/`dtype` here, else why not."""
   if len(shape) not in (2, 3):
     return f"shape {tuple(shape)} is not [M, K] or [B, M, K]"
   if np.dtype(dtype) not in [np.dtype(d) for d in _INPUT_DTYPES]:
@@ -238,17 +242,3 @@ def kernel_reason(shape, dtype, fmt, *, block_m: int = BLOCK_M,
     return f"backend {jax.default_backend()!r} is not gpu"
   return None
 
-
-def cast_transpose(x: jax.Array, scale: jax.Array, fmt, activation: str | None = None,
-                   activation_input: jax.Array | None = None):
-  """(q, q_t, amax) of x[B?, M, K] (or of ``activate(x, activation)``, or with
-  `activation_input` of ``activation_grad(x, activation_input, activation)``): the kernel
-  where it runs (:func:`kernel_reason`), else the XLA reference; both give identical values
-  (with an activation on a GPU: within the approximate tanh's error, see the module
-  docstring)."""
-  if kernel_reason(x.shape, x.dtype, fmt) is None and (
-      activation_input is None
-      or kernel_reason(activation_input.shape, activation_input.dtype, fmt) is None):
-    return cast_transpose_amax(x, scale, fmt, interpret=jax.default_backend() != "gpu",
-                               activation=activation, activation_input=activation_input)
-  return cast_transpose_reference(x, scale, fmt, activation, activation_input)
