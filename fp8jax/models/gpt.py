@@ -132,13 +132,14 @@ class ModelConfig:
                           ("param_dtype", PARAM_DTYPES), ("attention_impl", ATTENTION_IMPLS),
                           ("remat_policy", REMAT_POLICIES)):
       layers.check_choice("ModelConfig", name, getattr(self, name), allowed)
-    if self.fuse_gelu_into_fp8_cast not in (layers.AUTO, False) and self.mlp != "gelu":
-      raise ValueError(f"ModelConfig.fuse_gelu_into_fp8_cast=True needs mlp='gelu', got "
-                       f"mlp={self.mlp!r} (SwiGLU is not fused yet)")
     for name in ("remat", "remat_save_fp8_weights", "tie_embeddings"):
       layers.check_bool("ModelConfig", name, getattr(self, name))
     for name in ("scan_layers", "fuse_gelu_into_fp8_cast"):
       layers.check_bool_or_auto("ModelConfig", name, getattr(self, name))
+    if self.fuse_gelu_into_fp8_cast != layers.AUTO and self.fuse_gelu_into_fp8_cast \
+        and self.mlp != "gelu":
+      raise ValueError(f"ModelConfig.fuse_gelu_into_fp8_cast=True needs mlp='gelu', got "
+                       f"mlp={self.mlp!r} (SwiGLU is not fused yet)")
     layers.check_float("ModelConfig", "rope_theta", self.rope_theta, lambda v: v > 1,
                        "a number > 1")
     layers.check_float("ModelConfig", "dropout_rate", self.dropout_rate,

@@ -2,6 +2,9 @@
 inside the second GEMM's input cast and its derivative inside the cast of the gradient that
 enters the first. Checked against two fp8_dot_general_chained calls (the same quantized
 math), against float64 (FP8's error, not BF16's), under remat, and for bad input."""
+import contextlib
+import io
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -97,21 +100,28 @@ def test_error_against_float64_is_fp8s(key):
     assert 3 * rel_err(b16, ref) < e < 0.15, (name, e, rel_err(b16, ref))  # FP8 ran, bounded
 
 
-def test_remat_keeps_the_results(key):
-  """Under jax.checkpoint saving GEMM outputs and input casts the op gives the same values as
-  without remat (the saved hidden state is its tagged GEMM output)."""
+def test_remat_saves_the_hidden_state_and_keeps_the_results(key):
+  """Under jax.checkpoint saving GEMM outputs and input casts the hidden pre-activation is a
+  saved residual (tagged GEMM_OUTPUT_NAME inside the op), and the op gives the same values as
+  without remat."""
   x, w_in, w_out, g = _data(key, t=32)
   recipe = fp8jax.Recipe()
   m = fp8jax.init_dot_meta(recipe)
   policy = jax.checkpoint_policies.save_only_these_names(
       dot.GEMM_OUTPUT_NAME, dot.INPUT_CAST_NAME, dot.WEIGHT_CAST_NAME)
   rematted = jax.checkpoint(lambda *a: _fused(*a, recipe), policy=policy)
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    jax.ad_checkpoint.print_saved_residuals(
+        lambda *a: jnp.sum(rematted(*a, m, m).astype(jnp.float32)), x, w_in, w_out)
+  # [B * T, F]: the op works on the flattened rows
+  assert f"bf16[64,256] named '{dot.GEMM_OUTPUT_NAME}'" in out.getvalue(), out.getvalue()
   a = jax.jit(lambda *v: _grads(lambda *u: rematted(*u[:-1]), *v, m, m, recipe))(
       x, w_in, w_out, g)
   b = jax.jit(lambda *v: _grads(_fused, *v, m, m, recipe))(x, w_in, w_out, g)
   for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    np.testing.assert_allclose(np.asarray(u, np.float32), np.asarray(v, np.float32),
-                               rtol=1e-2, atol=1e-2 * float(np.max(np.abs(np.asarray(v, np.float32)))))
+    u, v = np.asarray(u, np.float32), np.asarray(v, np.float32)
+    np.testing.assert_allclose(u, v, rtol=1e-2, atol=1e-2 * float(np.max(np.abs(v))))
 
 
 def test_bad_input():

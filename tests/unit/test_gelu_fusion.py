@@ -158,6 +158,8 @@ def test_auto_fuses_the_gelu_mlp_only():
   with pytest.raises(ValueError, match=r"fuse_gelu_into_fp8_cast='yes' is not allowed; use "
                                        r"True, False or 'auto'"):
     ModelConfig(fuse_gelu_into_fp8_cast="yes")
+  with pytest.raises(ValueError, match=r"fuse_gelu_into_fp8_cast='yes' is not allowed"):
+    ModelConfig(mlp="swiglu", fuse_gelu_into_fp8_cast="yes")  # the value first, then the MLP
 
 
 def test_fused_gelu_needs_the_gelu_mlp():
