@@ -69,23 +69,28 @@ def _variables(level: str, dtype: str, seed: int):
   return model, jax.jit(model.init)(jax.random.key(seed), jnp.zeros((2, SEQ), jnp.int32))
 
 
-# Tolerances: with the parameters replicated over the batch axes every FP8 cast sees the
-# same values as on one device (only the weight gradients' sums over tokens run in another
-# order), so everything agrees to f32 rounding. Tensor parallelism sums the row-parallel
-# GEMMs' outputs in another order: activations differ in the last bit, which can move an
-# amax, a scale and some E4M3 roundings with it (percent-level, as test_tensor.py bounds).
+# Tolerances (`tol`, the parameter gradients'): at O0 every schedule is one device's f32 math
+# in another summation order (1e-5). At FP8 levels the pipeline's programs are fused
+# differently from one device's, so an activation or gradient can differ in its last f32 bit,
+# and now and then that bit sits on an E4M3/E5M2 rounding midpoint: one flipped E5M2 rounding
+# in this model's 2048-element gradients moves every gradient upstream of it by up to ~1.4e-2
+# (about 1% of seeds; max over 400 seeds with data 2 or 1; tensor parallelism's row-parallel
+# sums flip more, as test_tensor.py bounds). A wrong schedule (a microbatch lost or counted
+# twice, a stage's gradient misplaced) is off by far more. The loss and the FP8 state (forward
+# amaxes, max-combined over microbatches) see only last-bit differences: checked to 1e-6,
+# except with tensor parallelism, whose forward roundings flip too (tol / 10).
 @pytest.mark.parametrize("level, stages, data_size, tensor, schedule, tol", [
     ("O0", 2, 4, 1, "gpipe", 1e-5),
     pytest.param("O0", 4, 2, 1, "gpipe", 1e-5, marks=pytest.mark.slow),
-    ("O1", 4, 2, 1, "gpipe", 1e-5),
+    ("O1", 4, 2, 1, "gpipe", 0.03),
     pytest.param("O1", 2, 2, 2, "gpipe", 0.03, marks=pytest.mark.slow),
-    ("O1", 4, 2, 1, "1f1b", 1e-5)])
+    ("O1", 4, 2, 1, "1f1b", 0.03)])
 def test_pipeline_matches_one_device_in_f32(data, level, stages, data_size, tensor, schedule,
                                             tol):
   """In f32 compute either schedule is one device's math in another summation order (also
   with tensor parallelism inside the stages): loss, parameter gradients (embedding and head
   on the first / last stage, each stage's layers) and the FP8 state (max-combined over the
-  microbatches; every layer's state from its own stage) agree (`tol`, see above)."""
+  microbatches; every layer's state from its own stage) agree (tolerances above)."""
   seed, batch, cache = data
   model, variables = _variables(level, "float32", seed)
   if level not in cache:
@@ -93,7 +98,8 @@ def test_pipeline_matches_one_device_in_f32(data, level, stages, data_size, tens
   ref_loss, ref = cache[level]
   mesh = parallel.make_mesh(data=data_size, tensor=tensor, pipe=stages)
   loss, got = _step_grads(model, variables, batch, mesh, schedule)
-  assert abs(float(loss) - float(ref_loss)) < tol / 10 * float(ref_loss)
+  exact = 1e-6 if tensor == 1 else tol / 10  # loss and FP8 state (see above)
+  assert abs(float(loss) - float(ref_loss)) < exact * float(ref_loss)
   assert jax.tree.structure(got) == jax.tree.structure(ref)
   for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(got["params"])[0],
                           jax.tree.leaves(ref["params"])):
@@ -103,7 +109,7 @@ def test_pipeline_matches_one_device_in_f32(data, level, stages, data_size, tens
     fp8, fp8_ref = got[FP8_COLLECTION], ref[FP8_COLLECTION]
     assert _flat(fp8_ref).any() and (_flat(fp8["layers"]) != _flat(variables[FP8_COLLECTION]
                                                                     ["layers"])).any()
-    assert _rel(_flat(fp8), _flat(fp8_ref)) < tol / 10
+    assert _rel(_flat(fp8), _flat(fp8_ref)) < exact
 
 
 @pytest.mark.slow
