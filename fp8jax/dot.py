@@ -556,6 +556,17 @@ def _plain_config(x_shape, x_dtype, w, out_dtype, recipe: Recipe,
                  np.dtype(w.dtype).type, fused=fused, activation=activation)
 
 
+def mlp_op_reason(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta) -> str | None:
+  """None when :func:`fp8_mlp_chained` can run on these operands, else why it cannot (inside
+  ``shard_map``, or on a mesh with Explicit axes: two ``fp8_dot_general_chained`` calls do)."""
+  if _vma(x) | _vma(w_in) | _vma(w_out) or any(
+      _vma(a) for a in jax.tree.leaves((meta_in, meta_out))):
+    return "inside shard_map (amaxes agreed over mesh axes) it is not supported"
+  if any(s is not None for s in _explicit_shardings(x, w_in) + _explicit_shardings(x, w_out)):
+    return "on a mesh with Explicit axes it is not supported"
+  return None
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _fp8_mlp(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta, cfg_in: _Config,
              cfg_out: _Config):
@@ -627,13 +638,9 @@ def fp8_mlp_chained(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta,
     raise ValueError(f"fp8_mlp: shapes x{list(x.shape)}, w_in{list(w_in.shape)}, "
                      f"w_out{list(w_out.shape)} do not chain as x[..., D] @ w_in[D, F] @ "
                      "w_out[F, N]")
-  if _vma(x) | _vma(w_in) | _vma(w_out) or any(
-      _vma(a) for a in jax.tree.leaves((meta_in, meta_out))):
-    raise ValueError("fp8_mlp inside shard_map is not supported; use two "
-                     "fp8_dot_general_chained calls with amax_axes")
-  if any(s is not None for s in _explicit_shardings(x, w_in) + _explicit_shardings(x, w_out)):
-    raise ValueError("fp8_mlp on a mesh with Explicit axes is not supported; use two "
-                     "fp8_dot_general_chained calls")
+  reason = mlp_op_reason(x, w_in, w_out, meta_in, meta_out)
+  if reason:
+    raise ValueError(f"fp8_mlp: {reason}; use two fp8_dot_general_chained calls")
   h_dtype = preferred_element_type or jnp.result_type(x.dtype, w_in.dtype)
   y_dtype = preferred_element_type or jnp.result_type(h_dtype, w_out.dtype)
   lead, d = x.shape[:-1], x.shape[-1]

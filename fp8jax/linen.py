@@ -131,6 +131,75 @@ class Fp8DotGeneral(nn.Module):
     return out
 
 
+# The name nn.Dense / nn.DenseGeneral give the GEMM module they build from dot_general_cls.
+DENSE_GEMM_NAME = "Fp8DotGeneral_0"
+
+
+def _dense_mlp_variables(module: nn.Module, names: tuple[str, str]):
+  """((w_in, w_out), (variables of each GEMM's FP8 state)) of `module`'s two ``nn.Dense``
+  children `names`, or a str saying what is missing."""
+  v = module.variables
+  params, fp8 = v.get("params", {}), v.get(FP8_COLLECTION, {})
+  kernels, metas = [], []
+  for name in names:
+    p = params.get(name)
+    if p is None or set(p) != {"kernel"} or jnp.ndim(p["kernel"]) != 2:
+      return f"'{name}' is not a bias-free nn.Dense with params (got {sorted(p or {})})"
+    state = fp8.get(name, {}).get(DENSE_GEMM_NAME)
+    if state is None or set(state) != set(_ROLES):
+      return f"'{name}' has no {DENSE_GEMM_NAME} FP8 state (its dot_general_cls is not FP8)"
+    if name in v.get(WEIGHT_CAST_COLLECTION, {}):
+      return "its weights are cast outside (cast_weights): the Dense layers read those"
+    kernels.append(p["kernel"])
+    metas.append(Fp8DotMeta(*(state[role] for role in _ROLES)))
+  return tuple(kernels), tuple(metas)
+
+
+def dense_mlp_reason(module: nn.Module, x, names: tuple[str, str] = ("fc_in", "fc_out")
+                     ) -> str | None:
+  """None when :func:`dense_mlp` can run `module`'s two Dense layers `names` on `x`; else why
+  not (then call the Dense layers themselves: same variables, same quantized math)."""
+  if module.is_initializing():
+    return "initializing (the Dense layers create their variables)"
+  if any(module.is_mutable_collection(c) for c in (HEALTH_COLLECTION, PERTURBATIONS)):
+    return "the FP8 health probe watches each Dense layer"
+  if fsdp.active() is not None:
+    return "ZeRO-3 gathers each Dense layer's weight at its GEMM"
+  found = _dense_mlp_variables(module, names)
+  if isinstance(found, str):
+    return found
+  (w_in, w_out), (m_in, m_out) = found
+  return dot.mlp_op_reason(x, w_in, w_out, m_in, m_out)
+
+
+def dense_mlp(module: nn.Module, x, recipe: Recipe, activation: str = "gelu", dtype=None,
+              names: tuple[str, str] = ("fc_in", "fc_out")):
+  """``Dense(names[1])(activate(Dense(names[0])(x)))`` of `module`'s two bias-free ``nn.Dense``
+  children with :class:`Fp8DotGeneral` GEMMs, run as one :func:`fp8jax.dot.fp8_mlp_chained`
+  op on their variables (created by an earlier ``init`` through the Dense layers themselves):
+  the activation's derivative is applied inside the cast of the gradient entering the first
+  GEMM. The variables, their FP8 updates (also chained with other calls of the same Dense
+  layers in this apply) and the quantized math are the Dense layers'.
+
+  Must run inside `module`'s compact ``__call__``. Args: x [..., D]; `recipe`: the Dense layers'
+  recipe; `activation`: as for ``fp8_mlp_chained``; `dtype`: the Dense layers' compute dtype
+  (inputs and kernels are promoted to it, as nn.Dense does; None: as they are). Returns
+  y [..., N]. Raises ValueError where :func:`dense_mlp_reason` says it cannot run.
+  """
+  reason = dense_mlp_reason(module, x, names)
+  if reason:
+    raise ValueError(f"dense_mlp of {module.scope.path} {names}: {reason}")
+  (w_in, w_out), metas = _dense_mlp_variables(module, names)
+  if dtype is not None:
+    x, w_in, w_out = (jnp.asarray(a, dtype) for a in (x, w_in, w_out))
+  chain = _CHAINS.setdefault(module.scope.root, {})
+  paths = [module.scope.path + (name, DENSE_GEMM_NAME) for name in names]
+  m_in, m_out = (chain.get(path, meta) for path, meta in zip(paths, metas))
+  y, chain[paths[0]], chain[paths[1]] = dot.fp8_mlp_chained(x, w_in, w_out, m_in, m_out, recipe,
+                                                            activation)
+  return y
+
+
 class DotGeneral(nn.Module):
   """``dot_general_cls`` for ``nn.Dense`` / ``nn.DenseGeneral`` running ``lax.dot_general``
   (BF16 GEMMs), whose weight under an active :class:`fp8jax.fsdp.WeightGather` (ZeRO-3)

@@ -45,7 +45,7 @@ from fp8jax import FP8_COLLECTION, Recipe, fsdp
 from fp8jax.dot import GEMM_OUTPUT_NAME, INPUT_CAST_NAME, WEIGHT_CAST_NAME
 from fp8jax.hardware import DeviceReport, cudnn_attention_head_dim, local_report
 from fp8jax.linen import (HEALTH_COLLECTION, PERTURBATIONS, WEIGHT_CAST_COLLECTION,
-                          DotGeneral, Fp8DotGeneral)
+                          DotGeneral, Fp8DotGeneral, dense_mlp, dense_mlp_reason)
 
 DTYPES = ("bfloat16", "float32", "float16")
 PARAM_DTYPES = ("float32", "bfloat16")
@@ -333,7 +333,10 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-  """GELU or SwiGLU MLP: x[B, T, D] -> [B, T, D]; projections through the FP8 GEMM."""
+  """GELU or SwiGLU MLP: x[B, T, D] -> [B, T, D]; projections through the FP8 GEMM. With the
+  GELU inside the FP8 cast (``fuses_gelu``) the two Dense layers run as one op where
+  ``fp8jax.linen.dense_mlp`` can (same variables; not while initializing, probing FP8 health,
+  gathering ZeRO-3 weights, with weights cast outside, or inside ``shard_map``)."""
 
   config: Any
   recipe: Recipe | None
@@ -344,10 +347,15 @@ class MLP(nn.Module):
     std = cfg.d_model ** -0.5
     out_std = cfg.d_ff ** -0.5 / np.sqrt(2 * cfg.n_layers)
     out_kw = dense_kwargs(cfg, self.recipe, out_std)
+    fused_gelu = cfg.mlp == "gelu" and self.recipe is not None and fuses_gelu(cfg)
+    if fused_gelu and dense_mlp_reason(self, x) is None:
+      # Both GEMMs as one op on the Dense layers' variables: GELU inside the hidden state's
+      # FP8 cast, its derivative inside the cast of the gradient entering fc_in.
+      return saveable(dense_mlp(self, x, self.recipe, "gelu", jnp.dtype(cfg.dtype)))
     if cfg.mlp == "gelu":
       h = saveable(nn.Dense(cfg.d_ff, name="fc_in", **dense_kwargs(cfg, self.recipe, std))(
           saveable_input(x, self.recipe)))
-      if self.recipe is not None and fuses_gelu(cfg):  # GELU inside the FP8 cast
+      if fused_gelu:  # GELU inside the FP8 cast
         out_kw["dot_general_cls"] = functools.partial(Fp8DotGeneral, recipe=self.recipe,
                                                       lhs_activation="gelu")
       else:

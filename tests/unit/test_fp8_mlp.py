@@ -1,10 +1,13 @@
 """fp8jax.dot.fp8_mlp_chained: an MLP's two FP8 GEMMs in one differentiated op, the GELU
 inside the second GEMM's input cast and its derivative inside the cast of the gradient that
 enters the first. Checked against two fp8_dot_general_chained calls (the same quantized
-math), against float64 (FP8's error, not BF16's), under remat, and for bad input."""
+math), against float64 (FP8's error, not BF16's), under remat, and for bad input; and
+fp8jax.linen.dense_mlp, which runs two Flax Dense layers' variables through it."""
 import contextlib
+import functools
 import io
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +16,8 @@ import pytest
 import fp8jax
 from conftest import rel_err
 from fp8jax import dot
+from fp8jax import linen as fp8_linen
+from jax.sharding import PartitionSpec as P
 from fp8jax.kernels import cast_transpose as ct
 
 DN = (((2,), (0,)), ((), ()))  # x[B, T, D] . w[D, F], as nn.Dense calls it
@@ -138,3 +143,106 @@ def test_bad_input():
     dot.fp8_mlp_chained(x, w_in, w_out, m, m.input)
   with pytest.raises(TypeError, match="x must be a float array"):
     dot.fp8_mlp_chained(jnp.ones((4, 16), jnp.int32), w_in, w_out, m, m)
+
+
+# ----------------------------------------------------------------- fp8jax.linen.dense_mlp
+
+class _Mlp(nn.Module):
+  """Two bias-free FP8 Dense layers with the GELU inside fc_out's input cast; `op`: run them
+  as one op (fp8jax.linen.dense_mlp) where it can. `probe`: return dense_mlp_reason."""
+  recipe: fp8jax.Recipe
+  op: bool = True
+  probe: bool = False
+  gemm: str = "fp8"
+  bias: bool = False
+  force: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    if self.probe and not self.is_initializing():
+      return fp8_linen.dense_mlp_reason(self, x)
+    if self.force:
+      return fp8_linen.dense_mlp(self, x, self.recipe)
+    if self.op and fp8_linen.dense_mlp_reason(self, x) is None:
+      return fp8_linen.dense_mlp(self, x, self.recipe, "gelu", jnp.bfloat16)
+    kw = dict(use_bias=self.bias, dtype=jnp.bfloat16)
+    if self.gemm == "fp8":
+      gemm = functools.partial(fp8_linen.Fp8DotGeneral, recipe=self.recipe)
+      h = nn.Dense(256, name="fc_in", dot_general_cls=gemm, **kw)(x)
+      return nn.Dense(128, name="fc_out", **kw,
+                      dot_general_cls=functools.partial(gemm, lhs_activation="gelu"))(h)
+    return nn.Dense(128, name="fc_out", **kw)(nn.gelu(nn.Dense(256, name="fc_in", **kw)(x)))
+
+
+class _Twice(nn.Module):
+  """The same MLP applied twice in one apply (its FP8 updates must chain: max, not sum)."""
+  recipe: fp8jax.Recipe
+  op: bool = True
+
+  @nn.compact
+  def __call__(self, x):
+    mlp = _Mlp(self.recipe, self.op, name="mlp")
+    return mlp(mlp(x) + x)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_dense_mlp_is_the_dense_layers(key, fused):
+  """The one-op path gives the Dense layers' output, parameter gradients and FP8 updates (the
+  same quantized math up to a rare E5M2 rounding, as above), over two steps of a layer
+  applied twice per apply; it runs as one op (the Dense path never does)."""
+  x, _, _, g = _data(key)
+  recipe = fp8jax.Recipe(amax_history_len=4, fused_cast_transpose=fused)
+  op, dense = _Twice(recipe, op=True), _Twice(recipe, op=False)
+  variables = op.init(jax.random.key(1), x)
+  assert jax.tree.structure(variables) == jax.tree.structure(dense.init(jax.random.key(1), x))
+
+  def run(model):
+    def step(v, x):
+      y, vjp = jax.vjp(lambda v: model.apply(v, x), v)
+      return y, vjp(g)[0]
+    return jax.jit(step)
+
+  with ct.interpret_anywhere(fused):
+    for step in range(2):  # never-observed metas (just-in-time scales), then delayed scales
+      y_op, g_op = run(op)(variables, x * (step + 1))
+      y_d, g_d = run(dense)(variables, x * (step + 1))
+      for u, v in zip(jax.tree.leaves((y_op, g_op["params"])),
+                      jax.tree.leaves((y_d, g_d["params"])), strict=True):
+        u, v = np.asarray(u, np.float32), np.asarray(v, np.float32)
+        assert np.mean(u != v) < 2e-2
+        np.testing.assert_allclose(u, v, rtol=0.1, atol=0.02 * float(np.max(np.abs(v))))
+      for u, v in zip(jax.tree.leaves(g_op[fp8jax.FP8_COLLECTION]),
+                      jax.tree.leaves(g_d[fp8jax.FP8_COLLECTION]), strict=True):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-2)  # scales, amaxes
+      variables = fp8jax.apply_fp8_updates(variables, g_d)
+    jaxprs = [str(jax.make_jaxpr(lambda v: m.apply(v, x))(variables)) for m in (op, dense)]
+  assert [j.count("_fp8_mlp") > 0 for j in jaxprs] == [True, False]
+
+
+def test_dense_mlp_reason_and_refusal(key):
+  """Where the one op cannot run, dense_mlp_reason says why (the layers then run as Dense
+  layers) and dense_mlp refuses."""
+  x = jax.random.normal(key, (2, 8, 128)).astype(jnp.bfloat16)
+  recipe = fp8jax.Recipe()
+  probe = _Mlp(recipe, probe=True)
+  variables = probe.init(jax.random.key(0), x)
+  assert probe.apply(variables, x) is None
+  reason = lambda **kw: _Mlp(recipe, probe=True, **kw).apply(
+      _Mlp(recipe, **kw).init(jax.random.key(0), x), x)
+  assert "not a bias-free nn.Dense" in reason(bias=True)
+  assert "no Fp8DotGeneral_0 FP8 state" in reason(gemm="bf16")
+  casts = fp8_linen.cast_weights(variables, recipe, jnp.bfloat16)
+  assert "cast outside" in probe.apply({**variables, **casts}, x)
+  assert "health probe" in probe.apply(variables, x, mutable=[fp8_linen.HEALTH_COLLECTION])[0]
+  seen = []
+  mesh = jax.make_mesh((jax.device_count(),), ("data",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
+
+  def body(x):
+    seen.append(probe.apply(variables, x))
+    return x
+  jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"))(
+      jnp.tile(x, (jax.device_count(), 1, 1)))
+  assert seen and seen[0].startswith("inside shard_map")
+  with pytest.raises(ValueError, match=r"dense_mlp of .*: initializing"):
+    _Mlp(recipe, force=True).init(jax.random.key(0), x)
