@@ -78,8 +78,10 @@ def _kernel(prologue, n_in, inv_ref, *refs, bound):
   amax_ref[...] = jnp.max(jnp.abs(x))
 
 
-def fused_cast(prologue, n_in: int, fmt, interpret: bool, bm: int = 64, bk: int = 128):
-  """jit of (scale, *inputs[M, K]) -> (q, q_t, amax) of prologue(*inputs), one kernel."""
+def fused_cast(prologue, n_in: int, fmt, interpret: bool, bm: int = 64, bk: int = 128,
+               halves: bool = False):
+  """jit of (scale, *inputs[M, K]) -> (q, q_t, amax) of prologue(*inputs), one kernel.
+  `halves`: one input gu[M, 2K] read as two tiles, columns j and K + j (gate | up)."""
   from jax.experimental.pallas import triton as plt
 
   @jax.jit
@@ -87,12 +89,18 @@ def fused_cast(prologue, n_in: int, fmt, interpret: bool, bm: int = 64, bk: int 
     m, k = xs[0].shape[:2]
     spec = lambda x: (pl.BlockSpec((bm, bk, 2), lambda i, j: (i, j, 0)) if x.ndim == 3  # noqa: E731
                       else pl.BlockSpec((bm, bk), lambda i, j: (i, j)))
+    specs = [spec(x) for x in xs]
+    if halves:
+      k //= 2
+      xs = (xs[0], xs[0])
+      specs = [pl.BlockSpec((bm, bk), lambda i, j: (i, j)),
+               pl.BlockSpec((bm, bk), lambda i, j: (i, j + k // bk))]
     q, qt, part = pl.pallas_call(
         functools.partial(_kernel, prologue, n_in, bound=scaling.fp8_max(fmt)),
         out_shape=(jax.ShapeDtypeStruct((m, k), fmt), jax.ShapeDtypeStruct((k, m), fmt),
                    jax.ShapeDtypeStruct((m // bm, k // bk), jnp.float32)),
         grid=(m // bm, k // bk),
-        in_specs=[pl.BlockSpec((None,), lambda i, j: (0,))] + [spec(x) for x in xs],
+        in_specs=[pl.BlockSpec((None,), lambda i, j: (0,))] + specs,
         out_specs=(pl.BlockSpec((bm, bk), lambda i, j: (i, j)),
                    pl.BlockSpec((bk, bm), lambda i, j: (j, i)),
                    pl.BlockSpec((None, None), lambda i, j: (i, j))),
@@ -146,6 +154,17 @@ def main():
     f = fused_cast(lambda g, u, t=tanh_of(approx, interpret): silu(g, t) * u, 1, E4M3, interpret)
     rows.append(("SwiGLU forward", f"SwiGLU in the cast kernel, "
                  f"{'approx' if approx else 'exact'} tanh", ms_per_call(f, (s, gu))))
+  # The same with gate and up as the two column halves of gu2[M, 2F] (a gate/up GEMM whose
+  # weight is laid out [D, 2, F]): each tile is a contiguous [bm, bk] block.
+  gu2 = jnp.concatenate([gu[..., 0], gu[..., 1]], axis=1)
+  rows.append(("SwiGLU forward", "XLA SwiGLU on halves [M, 2F], then the cast kernel",
+               ms_per_call(jax.jit(lambda s, v: cast4(s, jax.nn.silu(v[:, :a.swiglu_cols]) *
+                                                     v[:, a.swiglu_cols:])), (s, gu2))))
+  for approx in (False, True):
+    f = fused_cast(lambda g, u, t=tanh_of(approx, interpret): silu(g, t) * u, 2, E4M3, interpret,
+                   halves=True)
+    rows.append(("SwiGLU forward", f"SwiGLU on halves in the cast kernel, "
+                 f"{'approx' if approx else 'exact'} tanh", ms_per_call(f, (s, gu2))))
   print(f"h[{a.rows}, {a.cols}] bf16, gu[{a.rows}, {a.swiglu_cols}, 2] bf16 on "
         f"{jax.devices()[0].device_kind}\n")
   print("| pass | variant | ms |\n|---|---|---|")
