@@ -130,6 +130,44 @@ def test_gelu_gradient_cast_kernel_compiles_and_matches_xla():
   assert float(amax) == pytest.approx(float(ramax), rel=1e-2)
 
 
+def test_gpt_mlp_as_one_op_compiles_to_fp8_gemms_and_cast_kernels():
+  """The GPT's GELU MLP on one GPU runs as one op (fp8jax.linen.dense_mlp): its gradient
+  compiles to the same cuBLASLt FP8 GEMMs (12 for the layer, plus the head's) and the same
+  number of fused cast kernels as the two-Dense path (GELU's derivative moves into one of
+  them), and the gradients agree with that path's to FP8's rounding."""
+  from fp8jax.bench.timing import custom_calls
+  from fp8jax.models import layers
+  from fp8jax.models.gpt import GPT, ModelConfig
+  from fp8jax.train.step import next_token_loss
+  cfg = ModelConfig(vocab_size=256, d_model=1024, n_layers=1, n_heads=8, d_ff=4096,
+                    max_seq_len=512, scan_layers=False, remat=False)
+  model = GPT(cfg, fp8jax.opt_level("O1").recipe.replace(fused_cast_transpose=True))
+  seed = np.random.randint(1 << 30)
+  print("seed", seed)
+  tokens = jax.random.randint(jax.random.key(seed), (8, 513), 0, 256)
+  variables = model.init(jax.random.key(seed + 1), tokens[:, :-1])
+
+  def compiled():
+    grad = jax.jit(jax.grad(lambda v: next_token_loss(model.apply, v, tokens)))
+    hlo = grad.lower(variables).compile().as_text()
+    calls = custom_calls(hlo)
+    return (calls.get(FP8_GEMM, 0), sum(n for t, n in calls.items() if "triton" in t),
+            grad(variables))
+  gemms, kernels, g_op = compiled()
+  reason = layers.dense_mlp_reason
+  try:
+    layers.dense_mlp_reason = lambda *a, **k: "the two-Dense path, for comparison"
+    gemms_d, kernels_d, g_dense = compiled()
+  finally:
+    layers.dense_mlp_reason = reason
+  assert gemms == gemms_d >= 12 and kernels == kernels_d >= 8, (gemms, gemms_d, kernels,
+                                                                  kernels_d)
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g_op["params"])[0],
+                          jax.tree.leaves(g_dense["params"])):
+    err = _rel(a, np.asarray(b, np.float32).astype(np.float64))
+    assert err < 2e-2, (jax.tree_util.keystr(path), err)
+
+
 def test_saved_gemm_outputs_with_cudnn_attention_skip_its_forward():
   """remat_policy="save_gemm_outputs" with cuDNN attention: the compiled step runs the
   attention forward once per layer (not again in the recomputation), and its gradients are as
