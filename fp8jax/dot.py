@@ -546,14 +546,15 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, meta: Fp8DotMeta, recipe: Recip
 
 
 def _plain_config(x_shape, x_dtype, w, out_dtype, recipe: Recipe,
-                  activation: str | None = None) -> _Config:
+                  activation: str | None = None, weight_cast: bool = False) -> _Config:
   """The _Config of an x[M, K] @ w[K, N] GEMM outside shard_map (as fp8_dot_general_chained
   builds it for such a call; logs the same notes)."""
   (m, k), n = x_shape, w.shape[1]
   reason = _native_reason(m, k, n, out_dtype)
   fused = _uses_fused_kernel(x_shape, x_dtype, (m, n), out_dtype, recipe, reason is None, False)
   return _Config(recipe, np.dtype(out_dtype).type, reason is None, (), np.dtype(x_dtype).type,
-                 np.dtype(w.dtype).type, fused=fused, activation=activation)
+                 np.dtype(w.dtype).type, fused=fused, weight_cast=weight_cast,
+                 activation=activation)
 
 
 def mlp_op_reason(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta) -> str | None:
@@ -567,16 +568,17 @@ def mlp_op_reason(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta) -> 
   return None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _fp8_mlp(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta, cfg_in: _Config,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _fp8_mlp(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta,
+             wc_in: WeightCast | None, wc_out: WeightCast | None, cfg_in: _Config,
              cfg_out: _Config):
-  return _fp8_mlp_fwd(x, w_in, w_out, meta_in, meta_out, cfg_in, cfg_out)[0]
+  return _fp8_mlp_fwd(x, w_in, w_out, meta_in, meta_out, wc_in, wc_out, cfg_in, cfg_out)[0]
 
 
-def _fp8_mlp_fwd(x, w_in, w_out, meta_in, meta_out, cfg_in, cfg_out):
-  (h, _), res_in = _fp8_matmul_fwd(x, w_in, meta_in, None, cfg_in)
+def _fp8_mlp_fwd(x, w_in, w_out, meta_in, meta_out, wc_in, wc_out, cfg_in, cfg_out):
+  (h, _), res_in = _fp8_matmul_fwd(x, w_in, meta_in, wc_in, cfg_in)
   h = checkpoint_name(h, GEMM_OUTPUT_NAME)  # the activation's input: kept by saving policies
-  (y, _), res_out = _fp8_matmul_fwd(h, w_out, meta_out, None, cfg_out)
+  (y, _), res_out = _fp8_matmul_fwd(h, w_out, meta_out, wc_out, cfg_out)
   return (y, meta_in, meta_out), (res_in, res_out)
 
 
@@ -585,11 +587,11 @@ def _fp8_mlp_bwd(cfg_in, cfg_out, res, cts):
   g, meta_in_ct, meta_out_ct = cts
   # The second GEMM hands back the cotangent of the activated hidden state; the first applies
   # the activation's derivative (at h, the second GEMM's saved input) inside its gradient cast.
-  dh, dw_out, new_out, _ = _matmul_bwd(cfg_out, res_out, g, meta_out_ct,
-                                       through_activation=False)
-  dx, dw_in, new_in, _ = _matmul_bwd(cfg_in, res_in, dh, meta_in_ct, cfg_out.activation,
-                                     res_out[-1])
-  return dx, dw_in, dw_out, new_in, new_out
+  dh, dw_out, new_out, wc_out_ct = _matmul_bwd(cfg_out, res_out, g, meta_out_ct,
+                                               through_activation=False)
+  dx, dw_in, new_in, wc_in_ct = _matmul_bwd(cfg_in, res_in, dh, meta_in_ct, cfg_out.activation,
+                                            res_out[-1])
+  return dx, dw_in, dw_out, new_in, new_out, wc_in_ct, wc_out_ct
 
 
 _fp8_mlp.defvjp(_fp8_mlp_fwd, _fp8_mlp_bwd)
@@ -597,7 +599,8 @@ _fp8_mlp.defvjp(_fp8_mlp_fwd, _fp8_mlp_bwd)
 
 def fp8_mlp_chained(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta,
                     recipe: Recipe = Recipe(), activation: str = "gelu", *,
-                    preferred_element_type=None):
+                    preferred_element_type=None, weight_cast_in: WeightCast | None = None,
+                    weight_cast_out: WeightCast | None = None):
   """An MLP's two FP8 GEMMs in one differentiated op: ``y = activate(x @ w_in) @ w_out``
   (:func:`fp8jax.kernels.cast_transpose.activate`); returns ``(y, meta_in_passthrough,
   meta_out_passthrough)``, the passthroughs as for :func:`fp8_dot_general_chained`.
@@ -616,6 +619,9 @@ def fp8_mlp_chained(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta,
     recipe: formats and scaling rules of both GEMMs.
     activation: one of ``fp8jax.kernels.cast_transpose.ACTIVATIONS``.
     preferred_element_type: dtype of the hidden state and of y (default: promoted inputs).
+    weight_cast_in, weight_cast_out: w_in / w_out already cast,
+      ``cast_weight(w, meta.kernel, recipe)`` (e.g. once per optimizer step), or None; as
+      for ``fp8_dot_general_chained``'s `weight_cast`.
   Returns y [..., N]. Outside ``shard_map`` only, on a mesh without Explicit axes (else use
   two fp8_dot_general_chained calls).
   """
@@ -646,7 +652,15 @@ def fp8_mlp_chained(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta,
   lead, d = x.shape[:-1], x.shape[-1]
   m, f = math.prod(lead), w_in.shape[1]
   x2 = x.reshape(m, d)
-  cfg_in = _plain_config((m, d), x.dtype, w_in, h_dtype, recipe)
-  cfg_out = _plain_config((m, f), h_dtype, w_out, y_dtype, recipe, activation)
-  y, meta_in, meta_out = _fp8_mlp(x2, w_in, w_out, meta_in, meta_out, cfg_in, cfg_out)
+  casts = []
+  for wc, w in ((weight_cast_in, w_in), (weight_cast_out, w_out)):
+    if wc is not None:
+      _check_weight_cast(wc, w, recipe, frozenset())
+      wc = WeightCast(wc.q, *(jnp.asarray(a, jnp.float32) for a in wc[1:]))
+    casts.append(wc)
+  cfg_in = _plain_config((m, d), x.dtype, w_in, h_dtype, recipe,
+                         weight_cast=casts[0] is not None)
+  cfg_out = _plain_config((m, f), h_dtype, w_out, y_dtype, recipe, activation,
+                          weight_cast=casts[1] is not None)
+  y, meta_in, meta_out = _fp8_mlp(x2, w_in, w_out, meta_in, meta_out, *casts, cfg_in, cfg_out)
   return y.reshape(*lead, w_out.shape[1]), meta_in, meta_out

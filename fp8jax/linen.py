@@ -136,11 +136,12 @@ DENSE_GEMM_NAME = "Fp8DotGeneral_0"
 
 
 def _dense_mlp_variables(module: nn.Module, names: tuple[str, str]):
-  """((w_in, w_out), (variables of each GEMM's FP8 state)) of `module`'s two ``nn.Dense``
-  children `names`, or a str saying what is missing."""
+  """((w_in, w_out), (each GEMM's Fp8DotMeta), (each weight's WeightCast or None)) of
+  `module`'s two ``nn.Dense`` children `names`, or a str saying what is missing."""
   v = module.variables
   params, fp8 = v.get("params", {}), v.get(FP8_COLLECTION, {})
-  kernels, metas = [], []
+  casts_in = v.get(WEIGHT_CAST_COLLECTION, {})
+  kernels, metas, casts = [], [], []
   for name in names:
     p = params.get(name)
     if p is None or set(p) != {"kernel"} or jnp.ndim(p["kernel"]) != 2:
@@ -148,11 +149,12 @@ def _dense_mlp_variables(module: nn.Module, names: tuple[str, str]):
     state = fp8.get(name, {}).get(DENSE_GEMM_NAME)
     if state is None or set(state) != set(_ROLES):
       return f"'{name}' has no {DENSE_GEMM_NAME} FP8 state (its dot_general_cls is not FP8)"
-    if name in v.get(WEIGHT_CAST_COLLECTION, {}):
-      return "its weights are cast outside (cast_weights): the Dense layers read those"
     kernels.append(p["kernel"])
     metas.append(Fp8DotMeta(*(state[role] for role in _ROLES)))
-  return tuple(kernels), tuple(metas)
+    cast = casts_in.get(name, {}).get(DENSE_GEMM_NAME)  # cast_weights: once per step
+    casts.append(None if cast is None else dot.WeightCast(*(cast[f]
+                                                            for f in dot.WeightCast._fields)))
+  return tuple(kernels), tuple(metas), tuple(casts)
 
 
 def dense_mlp_reason(module: nn.Module, x, names: tuple[str, str] = ("fc_in", "fc_out")
@@ -168,7 +170,7 @@ def dense_mlp_reason(module: nn.Module, x, names: tuple[str, str] = ("fc_in", "f
   found = _dense_mlp_variables(module, names)
   if isinstance(found, str):
     return found
-  (w_in, w_out), (m_in, m_out) = found
+  (w_in, w_out), (m_in, m_out), _ = found
   return dot.mlp_op_reason(x, w_in, w_out, m_in, m_out)
 
 
@@ -179,7 +181,8 @@ def dense_mlp(module: nn.Module, x, recipe: Recipe, activation: str = "gelu", dt
   op on their variables (created by an earlier ``init`` through the Dense layers themselves):
   the activation's derivative is applied inside the cast of the gradient entering the first
   GEMM. The variables, their FP8 updates (also chained with other calls of the same Dense
-  layers in this apply) and the quantized math are the Dense layers'.
+  layers in this apply), the weights cast outside (:func:`cast_weights`, when given) and the
+  quantized math are the Dense layers'.
 
   Must run inside `module`'s compact ``__call__``. Args: x [..., D]; `recipe`: the Dense layers'
   recipe; `activation`: as for ``fp8_mlp_chained``; `dtype`: the Dense layers' compute dtype
@@ -189,14 +192,15 @@ def dense_mlp(module: nn.Module, x, recipe: Recipe, activation: str = "gelu", dt
   reason = dense_mlp_reason(module, x, names)
   if reason:
     raise ValueError(f"dense_mlp of {module.scope.path} {names}: {reason}")
-  (w_in, w_out), metas = _dense_mlp_variables(module, names)
+  (w_in, w_out), metas, (wc_in, wc_out) = _dense_mlp_variables(module, names)
   if dtype is not None:
     x, w_in, w_out = (jnp.asarray(a, dtype) for a in (x, w_in, w_out))
   chain = _CHAINS.setdefault(module.scope.root, {})
   paths = [module.scope.path + (name, DENSE_GEMM_NAME) for name in names]
   m_in, m_out = (chain.get(path, meta) for path, meta in zip(paths, metas))
-  y, chain[paths[0]], chain[paths[1]] = dot.fp8_mlp_chained(x, w_in, w_out, m_in, m_out, recipe,
-                                                            activation)
+  y, chain[paths[0]], chain[paths[1]] = dot.fp8_mlp_chained(
+      x, w_in, w_out, m_in, m_out, recipe, activation, weight_cast_in=wc_in,
+      weight_cast_out=wc_out)
   return y
 
 

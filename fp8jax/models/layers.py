@@ -336,7 +336,7 @@ class MLP(nn.Module):
   """GELU or SwiGLU MLP: x[B, T, D] -> [B, T, D]; projections through the FP8 GEMM. With the
   GELU inside the FP8 cast (``fuses_gelu``) the two Dense layers run as one op where
   ``fp8jax.linen.dense_mlp`` can (same variables; not while initializing, probing FP8 health,
-  gathering ZeRO-3 weights, with weights cast outside, or inside ``shard_map``)."""
+  gathering ZeRO-3 weights, or inside ``shard_map``)."""
 
   config: Any
   recipe: Recipe | None

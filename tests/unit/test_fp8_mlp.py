@@ -129,6 +129,30 @@ def test_remat_saves_the_hidden_state_and_keeps_the_results(key):
     np.testing.assert_allclose(u, v, rtol=1e-2, atol=1e-2 * float(np.max(np.abs(v))))
 
 
+def test_weights_cast_outside(key):
+  """weight_cast_in / weight_cast_out (cast_weight of each weight) give bit-identical results,
+  and the op multiplies those casts (a cast of other weights changes y; the weights' own
+  gradients are unchanged by what was cast)."""
+  x, w_in, w_out, g = _data(key)
+  recipe = fp8jax.Recipe(amax_history_len=4)
+  m_in, m_out = fp8jax.init_dot_meta(recipe), fp8jax.init_dot_meta(recipe)
+  run = jax.jit(lambda x, w_in, w_out, m_in, m_out, c_in, c_out: _grads(
+      lambda *a: dot.fp8_mlp_chained(*a[:5], a[5], weight_cast_in=c_in,
+                                     weight_cast_out=c_out)[0],
+      x, w_in, w_out, g, m_in, m_out, recipe))
+  plain = jax.jit(lambda *a: _grads(_fused, *a, recipe))(x, w_in, w_out, g, m_in, m_out)
+  c_in = dot.cast_weight(w_in, m_in.kernel, recipe)
+  c_out = dot.cast_weight(w_out, m_out.kernel, recipe)
+  cast = run(x, w_in, w_out, m_in, m_out, c_in, c_out)
+  for u, v in zip(jax.tree.leaves(plain), jax.tree.leaves(cast), strict=True):
+    np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32))
+  other = dot.cast_weight(-w_out, m_out.kernel, recipe)
+  y = run(x, w_in, w_out, m_in, m_out, c_in, other)[0]
+  assert rel_err(y, -np.asarray(plain[0], np.float32)) < 1e-6  # -w_out's cast was multiplied
+  with pytest.raises(ValueError, match=r"weight_cast.q is float8_e4m3fn\[128, 256\]"):
+    dot.fp8_mlp_chained(x, w_in, w_out, m_in, m_out, weight_cast_out=c_in)
+
+
 def test_bad_input():
   x = jnp.ones((4, 16), jnp.bfloat16)
   w_in, w_out = jnp.ones((16, 32), jnp.bfloat16), jnp.ones((32, 8), jnp.bfloat16)
@@ -185,11 +209,12 @@ class _Twice(nn.Module):
     return mlp(mlp(x) + x)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_dense_mlp_is_the_dense_layers(key, fused):
+@pytest.mark.parametrize("fused, cast", [(False, False), (True, False), (False, True)])
+def test_dense_mlp_is_the_dense_layers(key, fused, cast):
   """The one-op path gives the Dense layers' output, parameter gradients and FP8 updates (the
   same quantized math up to a rare E5M2 rounding, as above), over two steps of a layer
-  applied twice per apply; it runs as one op (the Dense path never does)."""
+  applied twice per apply, also with the weights cast outside (`cast`: cast_weights, as the
+  Trainer does with several microbatches); it runs as one op (the Dense path never does)."""
   x, _, _, g = _data(key)
   recipe = fp8jax.Recipe(amax_history_len=4, fused_cast_transpose=fused)
   op, dense = _Twice(recipe, op=True), _Twice(recipe, op=False)
@@ -198,6 +223,8 @@ def test_dense_mlp_is_the_dense_layers(key, fused):
 
   def run(model):
     def step(v, x):
+      if cast:
+        v = {**v, **fp8_linen.cast_weights(v, recipe, jnp.bfloat16)}
       y, vjp = jax.vjp(lambda v: model.apply(v, x), v)
       return y, vjp(g)[0]
     return jax.jit(step)
@@ -215,6 +242,8 @@ def test_dense_mlp_is_the_dense_layers(key, fused):
                       jax.tree.leaves(g_d[fp8jax.FP8_COLLECTION]), strict=True):
         np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-2)  # scales, amaxes
       variables = fp8jax.apply_fp8_updates(variables, g_d)
+    if cast:
+      variables = {**variables, **fp8_linen.cast_weights(variables, recipe, jnp.bfloat16)}
     jaxprs = [str(jax.make_jaxpr(lambda v: m.apply(v, x))(variables)) for m in (op, dense)]
   assert [j.count("_fp8_mlp") > 0 for j in jaxprs] == [True, False]
 
@@ -231,8 +260,6 @@ def test_dense_mlp_reason_and_refusal(key):
       _Mlp(recipe, **kw).init(jax.random.key(0), x), x)
   assert "not a bias-free nn.Dense" in reason(bias=True)
   assert "no Fp8DotGeneral_0 FP8 state" in reason(gemm="bf16")
-  casts = fp8_linen.cast_weights(variables, recipe, jnp.bfloat16)
-  assert "cast outside" in probe.apply({**variables, **casts}, x)
   assert "health probe" in probe.apply(variables, x, mutable=[fp8_linen.HEALTH_COLLECTION])[0]
   seen = []
   mesh = jax.make_mesh((jax.device_count(),), ("data",),
