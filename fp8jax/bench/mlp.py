@@ -24,7 +24,8 @@ Modes:
   fp8jax_gelu_in_cast  the train recipe with the GELU computed inside the second GEMM's FP8
                      input cast (``Fp8DotGeneral(lhs_activation="gelu")``, the model's
                      ``fuse_gelu_into_fp8_cast``)
-  fp8jax_mlp_op      the block as one ``fp8jax.dot.fp8_mlp_chained`` op (train recipe): the
+  fp8jax_mlp_op      the block as one ``fp8jax.dot.fp8_mlp_chained`` op (train recipe;
+                     ``fp8jax.linen.dense_mlp``, the models' GELU MLP): the
                      GELU inside the second GEMM's input cast and its derivative inside the
                      cast of the gradient entering the first GEMM
   gemms_bf16         the block's six GEMMs alone on bf16 operands (baseline of the gemms rows)
@@ -53,8 +54,7 @@ from flax.linen import fp8_ops
 
 from fp8jax.bench import report
 from fp8jax.bench.timing import FP8_GEMM, custom_calls, memory_gib, rel_err, time_calls
-from fp8jax.dot import fp8_mlp_chained, init_dot_meta
-from fp8jax.linen import FP8_COLLECTION, Fp8DotGeneral, apply_fp8_updates
+from fp8jax.linen import Fp8DotGeneral, apply_fp8_updates, dense_mlp, dense_mlp_reason
 from fp8jax.recipe import Recipe
 
 SHAPE = (16384, 8192, 28672)  # T, D, F of benchmarks/RESULTS.md
@@ -85,14 +85,19 @@ COLUMNS = (report.Column("ms", "ms (median)"), report.Column("tflops", "TFLOP/s"
 class MLP(nn.Module):
   """Dense(hidden) -> GELU -> Dense(model), bf16, no bias, the given dot_general_cls;
   `gelu_in_cast`: the second GEMM's dot_general_cls applies the GELU itself (it must take
-  ``lhs_activation``)."""
+  ``lhs_activation``); `one_op_recipe`: with it, the two FP8 Dense layers run as one op
+  (``fp8jax.linen.dense_mlp``, as the models' GELU MLP does) on the same variables."""
   hidden: int
   model: int
   dot_general_cls: object = None
   gelu_in_cast: bool = False
+  one_op_recipe: Recipe | None = None
 
   @nn.compact
   def __call__(self, x):
+    names = ("Dense_0", "Dense_1")
+    if self.one_op_recipe is not None and dense_mlp_reason(self, x, names) is None:
+      return dense_mlp(self, x, self.one_op_recipe, "gelu", jnp.bfloat16, names)
     kw = dict(use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
               dot_general_cls=self.dot_general_cls)
     h = nn.Dense(self.hidden, **kw)(x)
@@ -100,31 +105,6 @@ class MLP(nn.Module):
       return nn.Dense(self.model, **{**kw, "dot_general_cls": functools.partial(
           self.dot_general_cls, lhs_activation="gelu")})(h)
     return nn.Dense(self.model, **kw)(nn.gelu(h))
-
-
-class _Kernel(nn.Module):
-  """A bf16 "kernel" parameter of `shape` (``nn.Dense``'s name and initializer)."""
-  shape: tuple[int, int]
-
-  @nn.compact
-  def __call__(self):
-    return self.param("kernel", nn.initializers.lecun_normal(), self.shape, jnp.bfloat16)
-
-
-class FusedMLP(nn.Module):
-  """:class:`MLP`'s block (same parameter tree) as one ``fp8_mlp_chained`` op under `recipe`;
-  the two GEMMs' FP8 states in the FP8 collection as "fc_in" and "fc_out"."""
-  hidden: int
-  model: int
-  recipe: Recipe
-
-  @nn.compact
-  def __call__(self, x):
-    w_in = _Kernel((x.shape[-1], self.hidden), name="Dense_0")()
-    w_out = _Kernel((self.hidden, self.model), name="Dense_1")()
-    m_in, m_out = (self.variable(FP8_COLLECTION, name, init_dot_meta, self.recipe).value
-                   for name in ("fc_in", "fc_out"))
-    return fp8_mlp_chained(x, w_in, w_out, m_in, m_out, self.recipe)[0]
 
 
 def add_arguments(parser) -> None:
@@ -171,10 +151,9 @@ def make_model(mode: str, hidden: int, model: int) -> nn.Module:
     return MLP(hidden, model)
   if mode == "flax_fp8":
     return MLP(hidden, model, fp8_ops.Fp8DirectDotGeneralOp)
-  if mode == MLP_OP:
-    return FusedMLP(hidden, model, TRAIN_RECIPE)
-  if mode == GELU_IN_CAST:
-    return MLP(hidden, model, functools.partial(Fp8DotGeneral, recipe=TRAIN_RECIPE), True)
+  if mode in (GELU_IN_CAST, MLP_OP):
+    return MLP(hidden, model, functools.partial(Fp8DotGeneral, recipe=TRAIN_RECIPE), True,
+               TRAIN_RECIPE if mode == MLP_OP else None)
   return MLP(hidden, model, functools.partial(Fp8DotGeneral, recipe=RECIPES[mode]))
 
 

@@ -230,20 +230,26 @@ def test_mlp_tn_gemms_compute_the_same_products(key):
 
 
 def test_mlp_op_mode_is_the_same_block(key):
-  """fp8jax_mlp_op (the block as one fp8_mlp_chained op) takes the block's parameter tree and
-  computes what fp8jax_gelu_in_cast computes (the same quantized math; only where GELU's
-  derivative is applied differs), with all six GEMMs in the program."""
+  """fp8jax_mlp_op (the block as one fp8_mlp_chained op, through fp8jax.linen.dense_mlp as in
+  the models) has the block's variable trees and computes what fp8jax_gelu_in_cast computes
+  (the same quantized math; only where GELU's derivative is applied differs), with all six
+  GEMMs in the program; only it runs the one op."""
   t, d, f = mlp.SMALL_SHAPE
   kx, kc, kp = jax.random.split(key, 3)
   x = jax.random.normal(kx, (t, d)).astype(jax.numpy.bfloat16)
   ct = (jax.random.normal(kc, (t, d)) / (t * d)).astype(jax.numpy.bfloat16)
   params = mlp.MLP(f, d).init(kp, x)["params"]
-  out = {}
+  out, trees = {}, {}
   for mode in (mlp.GELU_IN_CAST, mlp.MLP_OP):
     compiled, variables = mlp.warm_block(mode, x, ct, params, kp)
+    net = mlp.make_model(mode, f, d)
+    ops = str(jax.make_jaxpr(net.apply)(variables, x)).count("_fp8_mlp")
+    assert (ops > 0) == (mode == mlp.MLP_OP)
     dv, dx, y = compiled(variables, x, ct)
+    trees[mode] = variables
     out[mode] = (y, dx, dv["params"]["Dense_0"]["kernel"], dv["params"]["Dense_1"]["kernel"])
     assert compiled.as_text().count(" dot(") == 6
+  assert jax.tree.structure(trees[mlp.MLP_OP]) == jax.tree.structure(trees[mlp.GELU_IN_CAST])
   for a, b in zip(out[mlp.MLP_OP], out[mlp.GELU_IN_CAST], strict=True):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     assert float(np.max(np.abs(b))) > 0
