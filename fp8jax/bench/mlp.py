@@ -72,7 +72,7 @@ BLOCK_MODES = ("bf16", "flax_fp8") + tuple(RECIPES) + (GELU_IN_CAST, MLP_OP)
 GEMM_MODES = ("gemms_bf16", "gemms_fp8", "gemms_fp8_f32out", "gemms_fp8_tn",
               "gemms_fp8_tn_fast")
 MODES = BLOCK_MODES + GEMM_MODES
-DEFAULT_MODES = ("bf16", "flax_fp8", "fp8jax", "fp8jax_xla", "fp8jax_fastdgrad")
+DEFAULT_MODES = ("bf16", "flax_fp8", "fp8jax", MLP_OP, "fp8jax_xla", "fp8jax_fastdgrad")
 FLAX_FP8_COLLECTION = fp8_ops.OVERWRITE_WITH_GRADIENT
 COLUMNS = (report.Column("ms", "ms (median)"), report.Column("tflops", "TFLOP/s", ".4g"),
            report.Column("x_bf16", "speed-up vs bf16"),
