@@ -248,6 +248,23 @@ def test_dense_mlp_is_the_dense_layers(key, fused, cast):
   assert [j.count("_fp8_mlp") > 0 for j in jaxprs] == [True, False]
 
 
+def test_dense_mlp_multiplies_the_weight_casts_it_finds(key):
+  """With a WEIGHT_CAST_COLLECTION present, the op multiplies those casts, as the Dense
+  layers do: casts of a negated fc_out kernel negate the output on both paths."""
+  x = jax.random.normal(key, (2, 8, 128)).astype(jnp.bfloat16)
+  recipe = fp8jax.Recipe()
+  op, dense = _Mlp(recipe, op=True), _Mlp(recipe, op=False)
+  variables = op.init(jax.random.key(0), x)
+  params = variables["params"]
+  flipped = {**params, "fc_out": {"kernel": -params["fc_out"]["kernel"]}}
+  casts = fp8_linen.cast_weights({**variables, "params": flipped}, recipe, jnp.bfloat16)
+  y = op.apply(variables, x)
+  assert float(jnp.max(jnp.abs(y.astype(jnp.float32)))) > 0
+  for model in (op, dense):
+    np.testing.assert_array_equal(np.asarray(model.apply({**variables, **casts}, x), np.float32),
+                                  -np.asarray(model.apply(variables, x), np.float32))
+
+
 def test_dense_mlp_reason_and_refusal(key):
   """Where the one op cannot run, dense_mlp_reason says why (the layers then run as Dense
   layers) and dense_mlp refuses."""
