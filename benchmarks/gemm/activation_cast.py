@@ -1,4 +1,4 @@
-"""Activations fused into the FP8 cast kernel: GELU forward and backward, SwiGLU forward, with
+"""Activations fused into the FP8 cast kernel: GELU and SwiGLU, forward and backward, with
 exact vs approximate tanh (GPU).
 
   source benchmarks/gpu_env.sh && python benchmarks/gemm/activation_cast.py \
@@ -9,8 +9,9 @@ followed by the cast kernel (two passes, what an unfused model runs), against on
 kernel that applies the GELU (forward) or its derivative (backward, with the incoming
 gradient) while it casts, writing q, q_t and the amax as ``fp8jax.kernels.cast_transpose``
 does (its own kernel is timed beside them). SwiGLU: the gate and up projections gu[M, F, 2]
-(the layout of fp8jax's fused gate/up GEMM output) to silu(gate) * up, cast; fp8jax does
-not fuse it yet, this measures what fusing it would save. Each kernel variant computes tanh
+(the layout of fp8jax's fused gate/up GEMM output) or as the column halves of gu2[M, 2F] to
+silu(gate) * up, cast; and backward, [d_gate | d_up] from dy[M, F] and gu2 cast to E5M2
+[M, 2F]. fp8jax does not fuse SwiGLU yet; this measures what fusing it would save. Each kernel variant computes tanh
 exactly (``jnp.tanh``) or with the GPU's ``tanh.approx.f32``; the error of each GELU against
 float64 is printed beside the bf16 rounding's. The backward kernels are the script's own;
 fp8jax's is reached through ``fp8jax.fp8_mlp_chained`` (both MLP GEMMs in one differentiated
@@ -110,6 +111,45 @@ def fused_cast(prologue, n_in: int, fmt, interpret: bool, bm: int = 64, bk: int 
   return call
 
 
+def swiglu_grad_cast(fmt, interpret: bool, tanh, bm: int = 64, bk: int = 128):
+  """jit of (scale, dy[M, F], gu2[M, 2F]) -> (q, q_t, amax) of SwiGLU's input gradient
+  [d_gate | d_up] ([M, 2F], the halves layout of gu2), one kernel: the program for output
+  column block j reads dy's and gate's block j mod F/bk and up's, and writes d_gate (j < F/bk)
+  or d_up."""
+  from jax.experimental.pallas import triton as plt
+
+  def kernel(inv_ref, dy_ref, g_ref, u_ref, q_ref, qt_ref, amax_ref, *, nf, bound):
+    d, g, u = (r[...].astype(jnp.float32) for r in (dy_ref, g_ref, u_ref))
+    sg = 0.5 + 0.5 * tanh(0.5 * g)  # sigmoid
+    x = jnp.where(pl.program_id(1) >= nf, d * (g * sg), d * u * (sg * (1.0 + g * (1.0 - sg))))
+    x = x.astype(dy_ref.dtype).astype(jnp.float32)  # as a stored bf16 gradient would be
+    c = jnp.clip(x * inv_ref[...], -bound, bound)
+    q_ref[...] = c.astype(q_ref.dtype)
+    qt_ref[...] = c.T.astype(qt_ref.dtype)
+    amax_ref[...] = jnp.max(jnp.abs(x))
+
+  @jax.jit
+  def call(scale, dy, gu2):
+    m, f = dy.shape
+    nf = f // bk
+    half = lambda i, j: (i, jax.lax.rem(j, nf))  # noqa: E731
+    q, qt, part = pl.pallas_call(
+        functools.partial(kernel, nf=nf, bound=scaling.fp8_max(fmt)),
+        out_shape=(jax.ShapeDtypeStruct((m, 2 * f), fmt), jax.ShapeDtypeStruct((2 * f, m), fmt),
+                   jax.ShapeDtypeStruct((m // bm, 2 * nf), jnp.float32)),
+        grid=(m // bm, 2 * nf),
+        in_specs=[pl.BlockSpec((None,), lambda i, j: (0,)), pl.BlockSpec((bm, bk), half),
+                  pl.BlockSpec((bm, bk), half),
+                  pl.BlockSpec((bm, bk), lambda i, j: (i, nf + jax.lax.rem(j, nf)))],
+        out_specs=(pl.BlockSpec((bm, bk), lambda i, j: (i, j)),
+                   pl.BlockSpec((bk, bm), lambda i, j: (j, i)),
+                   pl.BlockSpec((None, None), lambda i, j: (i, j))),
+        compiler_params=plt.CompilerParams(num_warps=4), interpret=interpret,
+    )((1.0 / scale).reshape(1), dy, gu2, gu2)
+    return q, qt, jnp.max(part)
+  return call
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--rows", type=int, default=16384)
@@ -165,6 +205,21 @@ def main():
                    halves=True)
     rows.append(("SwiGLU forward", f"SwiGLU on halves in the cast kernel, "
                  f"{'approx' if approx else 'exact'} tanh", ms_per_call(f, (s, gu2))))
+  # Backward: SwiGLU's input gradient [d_gate | d_up] from dy[M, F] and gu2, cast to E5M2
+  # [M, 2F] for the gate/up GEMM's dgrad and wgrad.
+  f_ = a.swiglu_cols
+  dys = jax.random.normal(kx, (a.rows, f_)).astype(jnp.bfloat16)
+  xla_swiglu2 = lambda v: jax.nn.silu(v[:, :f_]) * v[:, f_:]  # noqa: E731
+  xla_swiglu_grad = lambda d, v: jax.vjp(xla_swiglu2, v)[1](d)[0]  # noqa: E731
+  rows.append(("SwiGLU backward", "cast kernel alone (on the stored [M, 2F] gradient)",
+               ms_per_call(cast5, (s, jax.jit(xla_swiglu_grad)(dys, gu2)))))
+  rows.append(("SwiGLU backward", "XLA derivative on halves, then the cast kernel",
+               ms_per_call(jax.jit(lambda s, d, v: cast5(s, xla_swiglu_grad(d, v))),
+                           (s, dys, gu2))))
+  for approx in (False, True):
+    f = swiglu_grad_cast(E5M2, interpret, tanh_of(approx, interpret))
+    rows.append(("SwiGLU backward", f"derivative on halves in the cast kernel, "
+                 f"{'approx' if approx else 'exact'} tanh", ms_per_call(f, (s, dys, gu2))))
   print(f"h[{a.rows}, {a.cols}] bf16, gu[{a.rows}, {a.swiglu_cols}, 2] bf16 on "
         f"{jax.devices()[0].device_kind}\n")
   print("| pass | variant | ms |\n|---|---|---|")
