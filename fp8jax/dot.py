@@ -236,15 +236,19 @@ def _fused_cast(x, meta: Fp8Meta, recipe: Recipe, fmt, amax_axes, activation=Non
   return q, q_t, amax, scale
 
 
-def _fused_reason(x_shape, x_dtype, g_shape, g_dtype, recipe: Recipe, native: bool) -> str | None:
-  """None when Recipe.fused_cast_transpose can use the kernel for this GEMM, else why not."""
+def _fused_reason(x_shape, x_dtype, g_shape, g_dtype, recipe: Recipe, native: bool,
+                  activation: str | None = None, grad_activation: str | None = None
+                  ) -> str | None:
+  """None when Recipe.fused_cast_transpose can use the kernel for this GEMM, else why not.
+  `activation`: applied in x's cast (x_shape: its input); `grad_activation`: the derivative
+  applied in the output gradient's cast (g_shape: that of the GEMM's output)."""
   if not native and jax.default_backend() == "gpu":
     return "FP8 GEMMs are emulated on this GPU"
   if jax.device_count() > 1 and not ct.interpreting_anywhere():
     return ("more than one device: a Pallas call has no partitioning rule, XLA would gather "
             "sharded operands around it")
-  return (ct.kernel_reason(x_shape, x_dtype, recipe.fwd_format)
-          or ct.kernel_reason(g_shape, g_dtype, recipe.bwd_format))
+  return (ct.kernel_reason(x_shape, x_dtype, recipe.fwd_format, activation=activation)
+          or ct.kernel_reason(g_shape, g_dtype, recipe.bwd_format, activation=grad_activation))
 
 
 def _native_reason(m: int, k: int, n: int, out_dtype) -> str | None:
@@ -257,12 +261,14 @@ def _native_reason(m: int, k: int, n: int, out_dtype) -> str | None:
 
 
 def _uses_fused_kernel(x_shape, x_dtype, g_shape, g_dtype, recipe: Recipe, native: bool,
-                       in_shard_map: bool) -> bool:
+                       in_shard_map: bool, activation: str | None = None,
+                       grad_activation: str | None = None) -> bool:
   """Whether the GEMM casts with the fused kernel (Recipe.fused_cast_transpose, where it runs);
   the reason it does not is logged once (a speed note: same values either way)."""
   if not recipe.fused_cast_transpose:
     return False
-  why = _fused_reason(x_shape, x_dtype, g_shape, g_dtype, recipe, native)
+  why = _fused_reason(x_shape, x_dtype, g_shape, g_dtype, recipe, native, activation,
+                      grad_activation)
   if why is None and in_shard_map:
     why = "inside shard_map (the kernel is not checked there yet)"
   if why:
@@ -492,6 +498,9 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
       backward instead of its shard (for a GEMM under remat: ``fsdp.WeightGather``).
   """
   ct.check_activation(lhs_activation)
+  if lhs_activation in ct.GATED:
+    raise ValueError(f"lhs_activation={lhs_activation!r} is gated (it halves the lhs's last "
+                     "axis); fp8_mlp_chained runs it between an MLP's two GEMMs")
   if not isinstance(meta, Fp8DotMeta):
     raise TypeError(f"meta must be an Fp8DotMeta, got {type(meta).__name__}; use "
                     "fp8jax.init_dot_meta(recipe)")
@@ -523,7 +532,7 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
     q = jnp.transpose(weight_cast.q, rperm).reshape(w.shape)
     weight_cast = WeightCast(q, *(jnp.asarray(a, jnp.float32) for a in weight_cast[1:]))
   fused = _uses_fused_kernel(x.shape, x.dtype, (b, m, n) if batched else (m, n), out_dtype,
-                             recipe, reason is None, bool(_vma(x) or meta_vma))
+                             recipe, reason is None, bool(_vma(x) or meta_vma), lhs_activation)
   cfg = _Config(recipe, np.dtype(out_dtype).type, reason is None, tuple(amax_axes),
                 np.dtype(lhs.dtype).type, np.dtype(rhs.dtype).type, meta_vma,
                 *_explicit_shardings(x, w), fused=fused, weight_cast=weight_cast is not None,
@@ -546,12 +555,16 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, meta: Fp8DotMeta, recipe: Recip
 
 
 def _plain_config(x_shape, x_dtype, w, out_dtype, recipe: Recipe,
-                  activation: str | None = None, weight_cast: bool = False) -> _Config:
-  """The _Config of an x[M, K] @ w[K, N] GEMM outside shard_map (as fp8_dot_general_chained
-  builds it for such a call; logs the same notes)."""
-  (m, k), n = x_shape, w.shape[1]
-  reason = _native_reason(m, k, n, out_dtype)
-  fused = _uses_fused_kernel(x_shape, x_dtype, (m, n), out_dtype, recipe, reason is None, False)
+                  activation: str | None = None, weight_cast: bool = False,
+                  grad_activation: str | None = None) -> _Config:
+  """The _Config of an activate(x)[M, K] @ w[K, N] GEMM outside shard_map (as
+  fp8_dot_general_chained builds it for such a call; logs the same notes); x_shape is x's
+  (before `activation`), `grad_activation` the derivative applied in the output gradient's
+  cast."""
+  m, n = x_shape[0], w.shape[1]
+  reason = _native_reason(m, w.shape[0], n, out_dtype)
+  fused = _uses_fused_kernel(x_shape, x_dtype, (m, n), out_dtype, recipe, reason is None, False,
+                             activation, grad_activation)
   return _Config(recipe, np.dtype(out_dtype).type, reason is None, (), np.dtype(x_dtype).type,
                  np.dtype(w.dtype).type, fused=fused, weight_cast=weight_cast,
                  activation=activation)
@@ -610,10 +623,13 @@ def fp8_mlp_chained(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta,
   cast of the gradient entering the first GEMM, which with ``Recipe.fused_cast_transpose`` is
   one kernel pass (the bf16 gradient of the hidden pre-activation is never written), as the
   activation itself is inside the second GEMM's input cast. The hidden pre-activation is
-  tagged ``GEMM_OUTPUT_NAME`` for remat policies.
+  tagged ``GEMM_OUTPUT_NAME`` for remat policies. A gated activation ("swiglu") takes the
+  first GEMM's output as interleaved (gate, up) pairs: w_in [D, 2F] is an
+  ``nn.DenseGeneral((F, 2))`` kernel [D, F, 2] reshaped, and its gradient comes back in that
+  layout.
 
   Args:
-    x: activations [..., D], any float dtype; w_in [D, F]; w_out [F, N].
+    x: activations [..., D], any float dtype; w_in [D, F] (gated: [D, 2F]); w_out [F, N].
     meta_in, meta_out: the two GEMMs' :class:`Fp8DotMeta` (their gradients are the updated
       metas).
     recipe: formats and scaling rules of both GEMMs.
@@ -629,6 +645,7 @@ def fp8_mlp_chained(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta,
     raise ValueError(f"fp8_mlp: activation=None is not allowed; use one of "
                      f"{list(ct.ACTIVATIONS)} (without one, call fp8_dot_general twice)")
   ct.check_activation(activation)
+  gated = activation in ct.GATED
   for name, meta in (("meta_in", meta_in), ("meta_out", meta_out)):
     if not isinstance(meta, Fp8DotMeta):
       raise TypeError(f"fp8_mlp: {name} must be an Fp8DotMeta, got {type(meta).__name__}; use "
@@ -640,10 +657,11 @@ def fp8_mlp_chained(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta,
     if not jnp.issubdtype(arr.dtype, jnp.floating):
       raise TypeError(f"fp8_mlp: {name} must be a float array, got {arr.dtype}")
   if (x.ndim < 1 or w_in.ndim != 2 or w_out.ndim != 2 or x.shape[-1] != w_in.shape[0]
-      or w_in.shape[1] != w_out.shape[0]):
+      or w_in.shape[1] != (2 if gated else 1) * w_out.shape[0]):
+    hidden = "2F] (gate, up pairs)" if gated else "F]"
     raise ValueError(f"fp8_mlp: shapes x{list(x.shape)}, w_in{list(w_in.shape)}, "
-                     f"w_out{list(w_out.shape)} do not chain as x[..., D] @ w_in[D, F] @ "
-                     "w_out[F, N]")
+                     f"w_out{list(w_out.shape)} do not chain as x[..., D] @ w_in[D, {hidden} "
+                     f"-> {activation} -> [..., F] @ w_out[F, N]")
   reason = mlp_op_reason(x, w_in, w_out, meta_in, meta_out)
   if reason:
     raise ValueError(f"fp8_mlp: {reason}; use two fp8_dot_general_chained calls")
@@ -659,7 +677,7 @@ def fp8_mlp_chained(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta,
       wc = WeightCast(wc.q, *(jnp.asarray(a, jnp.float32) for a in wc[1:]))
     casts.append(wc)
   cfg_in = _plain_config((m, d), x.dtype, w_in, h_dtype, recipe,
-                         weight_cast=casts[0] is not None)
+                         weight_cast=casts[0] is not None, grad_activation=activation)
   cfg_out = _plain_config((m, f), h_dtype, w_out, y_dtype, recipe, activation,
                           weight_cast=casts[1] is not None)
   y, meta_in, meta_out = _fp8_mlp(x2, w_in, w_out, meta_in, meta_out, *casts, cfg_in, cfg_out)

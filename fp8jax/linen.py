@@ -135,39 +135,47 @@ class Fp8DotGeneral(nn.Module):
 DENSE_GEMM_NAME = "Fp8DotGeneral_0"
 
 
-def _dense_mlp_variables(module: nn.Module, names: tuple[str, str]):
+def _dense_mlp_variables(module: nn.Module, names: tuple[str, str], gated: bool = False):
   """((w_in, w_out), (each GEMM's Fp8DotMeta), (each weight's WeightCast or None)) of
-  `module`'s two ``nn.Dense`` children `names`, or a str saying what is missing."""
+  `module`'s two ``nn.Dense`` children `names`, or a str saying what is missing. `gated`: the
+  first is an ``nn.DenseGeneral((F, 2))`` (kernel [D, F, 2], returned as [D, 2F])."""
   v = module.variables
   params, fp8 = v.get("params", {}), v.get(FP8_COLLECTION, {})
   casts_in = v.get(WEIGHT_CAST_COLLECTION, {})
   kernels, metas, casts = [], [], []
-  for name in names:
+  for i, name in enumerate(names):
     p = params.get(name)
-    if p is None or set(p) != {"kernel"} or jnp.ndim(p["kernel"]) != 2:
-      return f"'{name}' is not a bias-free nn.Dense with params (got {sorted(p or {})})"
+    pairs = gated and i == 0
+    shape = jnp.shape(p["kernel"]) if p is not None and "kernel" in p else ()
+    if p is None or set(p) != {"kernel"} or len(shape) != (3 if pairs else 2) or (
+        pairs and shape[-1] != 2):
+      what = "nn.DenseGeneral((F, 2))" if pairs else "nn.Dense"
+      return (f"'{name}' is not a bias-free {what} with params (got "
+              f"{ {k: list(jnp.shape(a)) for k, a in (p or {}).items()} })")
     state = fp8.get(name, {}).get(DENSE_GEMM_NAME)
     if state is None or set(state) != set(_ROLES):
       return f"'{name}' has no {DENSE_GEMM_NAME} FP8 state (its dot_general_cls is not FP8)"
-    kernels.append(p["kernel"])
+    flat = lambda a: a.reshape(a.shape[0], -1)  # noqa: E731  [D, F, 2] -> [D, 2F]: a view
+    kernels.append(flat(p["kernel"]))
     metas.append(Fp8DotMeta(*(state[role] for role in _ROLES)))
     cast = casts_in.get(name, {}).get(DENSE_GEMM_NAME)  # cast_weights: once per step
-    casts.append(None if cast is None else dot.WeightCast(*(cast[f]
-                                                            for f in dot.WeightCast._fields)))
+    casts.append(None if cast is None else dot.WeightCast(
+        flat(cast["q"]), *(cast[f] for f in dot.WeightCast._fields[1:])))
   return tuple(kernels), tuple(metas), tuple(casts)
 
 
-def dense_mlp_reason(module: nn.Module, x, names: tuple[str, str] = ("fc_in", "fc_out")
-                     ) -> str | None:
-  """None when :func:`dense_mlp` can run `module`'s two Dense layers `names` on `x`; else why
-  not (then call the Dense layers themselves: same variables, same quantized math)."""
+def dense_mlp_reason(module: nn.Module, x, names: tuple[str, str] = ("fc_in", "fc_out"),
+                     activation: str = "gelu") -> str | None:
+  """None when :func:`dense_mlp` can run `module`'s two Dense layers `names` on `x` with
+  `activation`; else why not (then call the Dense layers themselves: same variables, same
+  quantized math)."""
   if module.is_initializing():
     return "initializing (the Dense layers create their variables)"
   if any(module.is_mutable_collection(c) for c in (HEALTH_COLLECTION, PERTURBATIONS)):
     return "the FP8 health probe watches each Dense layer"
   if fsdp.active() is not None:
     return "ZeRO-3 gathers each Dense layer's weight at its GEMM"
-  found = _dense_mlp_variables(module, names)
+  found = _dense_mlp_variables(module, names, activation in cast_transpose.GATED)
   if isinstance(found, str):
     return found
   (w_in, w_out), (m_in, m_out), _ = found
@@ -177,8 +185,9 @@ def dense_mlp_reason(module: nn.Module, x, names: tuple[str, str] = ("fc_in", "f
 def dense_mlp(module: nn.Module, x, recipe: Recipe, activation: str = "gelu", dtype=None,
               names: tuple[str, str] = ("fc_in", "fc_out")):
   """``Dense(names[1])(activate(Dense(names[0])(x)))`` of `module`'s two bias-free ``nn.Dense``
-  children with :class:`Fp8DotGeneral` GEMMs, run as one :func:`fp8jax.dot.fp8_mlp_chained`
-  op on their variables (created by an earlier ``init`` through the Dense layers themselves):
+  children with :class:`Fp8DotGeneral` GEMMs (with a gated `activation` such as "swiglu" the
+  first is an ``nn.DenseGeneral((F, 2))``: (gate, up) pairs), run as one
+  :func:`fp8jax.dot.fp8_mlp_chained` op on their variables (created by an earlier ``init`` through the Dense layers themselves):
   the activation's derivative is applied inside the cast of the gradient entering the first
   GEMM. The variables, their FP8 updates (also chained with other calls of the same Dense
   layers in this apply), the weights cast outside (:func:`cast_weights`, when given) and the
@@ -189,10 +198,11 @@ def dense_mlp(module: nn.Module, x, recipe: Recipe, activation: str = "gelu", dt
   (inputs and kernels are promoted to it, as nn.Dense does; None: as they are). Returns
   y [..., N]. Raises ValueError where :func:`dense_mlp_reason` says it cannot run.
   """
-  reason = dense_mlp_reason(module, x, names)
+  reason = dense_mlp_reason(module, x, names, activation)
   if reason:
     raise ValueError(f"dense_mlp of {module.scope.path} {names}: {reason}")
-  (w_in, w_out), metas, (wc_in, wc_out) = _dense_mlp_variables(module, names)
+  (w_in, w_out), metas, (wc_in, wc_out) = _dense_mlp_variables(module, names,
+                                                               activation in cast_transpose.GATED)
   if dtype is not None:
     x, w_in, w_out = (jnp.asarray(a, dtype) for a in (x, w_in, w_out))
   chain = _CHAINS.setdefault(module.scope.root, {})

@@ -11,7 +11,8 @@ gradient) while it casts, writing q, q_t and the amax as ``fp8jax.kernels.cast_t
 does (its own kernel is timed beside them). SwiGLU: the gate and up projections gu[M, F, 2]
 (the layout of fp8jax's fused gate/up GEMM output) or as the column halves of gu2[M, 2F] to
 silu(gate) * up, cast; and backward, [d_gate | d_up] from dy[M, F] and gu2 cast to E5M2
-[M, 2F]. fp8jax does not fuse SwiGLU yet; this measures what fusing it would save. Each kernel variant computes tanh
+[M, 2F]; and fp8jax's own kernels (``activation="swiglu"``), which read the interleaved
+pairs as 32-bit words and write the gradient's pairs interleaved. Each kernel variant computes tanh
 exactly (``jnp.tanh``) or with the GPU's ``tanh.approx.f32``; the error of each GELU against
 float64 is printed beside the bf16 rounding's. The backward kernels are the script's own;
 fp8jax's is reached through ``fp8jax.fp8_mlp_chained`` (both MLP GEMMs in one differentiated
@@ -194,6 +195,9 @@ def main():
     f = fused_cast(lambda g, u, t=tanh_of(approx, interpret): silu(g, t) * u, 1, E4M3, interpret)
     rows.append(("SwiGLU forward", f"SwiGLU in the cast kernel, "
                  f"{'approx' if approx else 'exact'} tanh", ms_per_call(f, (s, gu))))
+  pairs = gu.reshape(a.rows, 2 * a.swiglu_cols)  # interleaved (gate, up): the same bytes
+  rows.append(("SwiGLU forward", "fp8jax's cast kernel with activation='swiglu' (interleaved "
+               "pairs read as 32-bit words)", ms_per_call(lib, (s, pairs, "swiglu"))))
   # The same with gate and up as the two column halves of gu2[M, 2F] (a gate/up GEMM whose
   # weight is laid out [D, 2, F]): each tile is a contiguous [bm, bk] block.
   gu2 = jnp.concatenate([gu[..., 0], gu[..., 1]], axis=1)
@@ -216,6 +220,14 @@ def main():
   rows.append(("SwiGLU backward", "XLA derivative on halves, then the cast kernel",
                ms_per_call(jax.jit(lambda s, d, v: cast5(s, xla_swiglu_grad(d, v))),
                            (s, dys, gu2))))
+  xla_pairs_grad = lambda d, v: jax.vjp(xla_swiglu, v)[1](d)[0]  # noqa: E731 (fp8jax's MLP)
+  rows.append(("SwiGLU backward", "XLA derivative on gu[M, F, 2], then the cast kernel",
+               ms_per_call(jax.jit(lambda s, d, v: cast5(
+                   s, xla_pairs_grad(d, v).reshape(a.rows, 2 * f_))), (s, dys, gu))))
+  lib_grad = jax.jit(lambda s, d, v: ct.cast_transpose_amax(
+      d, s, E5M2, interpret=interpret, activation="swiglu", activation_input=v))
+  rows.append(("SwiGLU backward", "fp8jax's cast kernel with the swiglu derivative "
+               "(interleaved pairs in and out)", ms_per_call(lib_grad, (s, dys, pairs))))
   for approx in (False, True):
     f = swiglu_grad_cast(E5M2, interpret, tanh_of(approx, interpret))
     rows.append(("SwiGLU backward", f"derivative on halves in the cast kernel, "

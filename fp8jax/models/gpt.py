@@ -139,7 +139,8 @@ class ModelConfig:
     if self.fuse_gelu_into_fp8_cast != layers.AUTO and self.fuse_gelu_into_fp8_cast \
         and self.mlp != "gelu":
       raise ValueError(f"ModelConfig.fuse_gelu_into_fp8_cast=True needs mlp='gelu', got "
-                       f"mlp={self.mlp!r} (SwiGLU is not fused yet)")
+                       f"mlp={self.mlp!r} (the SwiGLU MLP applies its activation inside the FP8 "
+                       "casts at FP8 levels without this switch)")
     layers.check_float("ModelConfig", "rope_theta", self.rope_theta, lambda v: v > 1,
                        "a number > 1")
     layers.check_float("ModelConfig", "dropout_rate", self.dropout_rate,

@@ -44,6 +44,7 @@ from jax.ad_checkpoint import checkpoint_name
 from fp8jax import FP8_COLLECTION, Recipe, fsdp
 from fp8jax.dot import GEMM_OUTPUT_NAME, INPUT_CAST_NAME, WEIGHT_CAST_NAME
 from fp8jax.hardware import DeviceReport, cudnn_attention_head_dim, local_report
+from fp8jax.kernels.cast_transpose import activate
 from fp8jax.linen import (HEALTH_COLLECTION, PERTURBATIONS, WEIGHT_CAST_COLLECTION,
                           DotGeneral, Fp8DotGeneral, dense_mlp, dense_mlp_reason)
 
@@ -333,10 +334,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-  """GELU or SwiGLU MLP: x[B, T, D] -> [B, T, D]; projections through the FP8 GEMM. With the
-  GELU inside the FP8 cast (``fuses_gelu``) the two Dense layers run as one op where
-  ``fp8jax.linen.dense_mlp`` can (same variables; not while initializing, probing FP8 health,
-  gathering ZeRO-3 weights, or inside ``shard_map``)."""
+  """GELU or SwiGLU MLP: x[B, T, D] -> [B, T, D]; projections through the FP8 GEMM. At FP8
+  levels the SwiGLU MLP, and the GELU MLP with the GELU inside the FP8 cast (``fuses_gelu``),
+  run their two Dense layers as one op where ``fp8jax.linen.dense_mlp`` can (same variables;
+  not while initializing, probing FP8 health, gathering ZeRO-3 weights, or inside
+  ``shard_map``): the activation inside the hidden state's FP8 cast, its derivative inside
+  the cast of the gradient entering the first GEMM. SwiGLU is computed in f32 and rounded once
+  (``fp8jax.kernels.cast_transpose.activate``) on either path."""
 
   config: Any
   recipe: Recipe | None
@@ -352,6 +356,11 @@ class MLP(nn.Module):
       # Both GEMMs as one op on the Dense layers' variables: GELU inside the hidden state's
       # FP8 cast, its derivative inside the cast of the gradient entering fc_in.
       return saveable(dense_mlp(self, x, self.recipe, "gelu", jnp.dtype(cfg.dtype)))
+    swiglu_names = ("fc_gate_in", "fc_out")
+    if (cfg.mlp == "swiglu" and self.recipe is not None
+        and dense_mlp_reason(self, x, swiglu_names, "swiglu") is None):
+      return saveable(dense_mlp(self, x, self.recipe, "swiglu", jnp.dtype(cfg.dtype),
+                                swiglu_names))
     if cfg.mlp == "gelu":
       h = saveable(nn.Dense(cfg.d_ff, name="fc_in", **dense_kwargs(cfg, self.recipe, std))(
           saveable_input(x, self.recipe)))
@@ -364,7 +373,7 @@ class MLP(nn.Module):
       gu = saveable(nn.DenseGeneral((cfg.d_ff, 2), name="fc_gate_in",
                                     **dense_kwargs(cfg, self.recipe, std))(
                                         saveable_input(x, self.recipe)))
-      h = nn.silu(gu[..., 0]) * gu[..., 1]
+      h = activate(gu.reshape(*gu.shape[:-2], -1), "swiglu")  # interleaved (gate, up) pairs
     return saveable(nn.Dense(cfg.d_model, name="fc_out", **out_kw)(
         saveable_input(h, self.recipe)))
 

@@ -34,7 +34,8 @@ def test_kernel_casts_the_activation(key):
   assert float(got[2]) == pytest.approx(float(np.max(np.abs(_gelu64(x)))), rel=1e-2)
   err = rel_err(np.asarray(got[0], np.float32) * 0.02, _gelu64(x))
   assert 5e-3 < err < 0.06, err  # E4M3 rounding (BF16 alone: ~2e-3)
-  with pytest.raises(ValueError, match=r"activation='relu' is not allowed; use one of \['gelu'\]"):
+  with pytest.raises(ValueError,
+                     match=r"activation='relu' is not allowed; use one of \['gelu', 'swiglu'\]"):
     ct.cast_transpose_amax(x, scale, E4M3, interpret=True, activation="relu")
 
 
