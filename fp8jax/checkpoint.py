@@ -16,7 +16,8 @@ never listed, so never restored, and a new manager removes such folders (with a 
 So a process killed while a save is in flight resumes from the save before it: with saves
 every N steps, at most 2N steps are lost (N with synchronous saves). A checkpoint
 that fails to restore (a truncated or corrupted file) is reported, moved aside to
-``damaged-<step>`` and the previous one is used.
+``damaged-<step>`` and the previous one is used; one that is intact but holds arrays of other
+shapes than the state to restore (another model) raises :class:`ShapeMismatch` and stays.
 
 Restore takes target shardings (a pytree of ``jax.sharding.Sharding`` shaped like the
 state; default: the given state's own), so a checkpoint saved on 8 devices under one
@@ -78,6 +79,15 @@ def abstract_state(state, shardings=None):
 
 class MissingField(ValueError):
   """A checkpoint lacks a state field and the given state has no value to start it from."""
+
+
+class ShapeMismatch(ValueError):
+  """A checkpoint's arrays have other shapes than the state to restore (another model shape
+  or layout): the checkpoint is intact and is left in place."""
+
+
+# orbax's words for a requested shape that differs from the stored one (not a damaged file)
+_SHAPE_MISMATCH = "is not compatible with the stored shape"
 
 
 def _fit_fields(target, saved) -> tuple[dict, list[str]] | None:
@@ -199,7 +209,8 @@ class CheckpointManager:
         leaves' own shardings); the restored arrays are laid out this way.
       step: restore exactly this step (no fallback) instead of the newest good one.
     Returns None when there is no checkpoint. A checkpoint that fails to load is logged
-    (warning), moved aside to ``damaged-<step>`` and the one before it is tried.
+    (warning), moved aside to ``damaged-<step>`` and the one before it is tried; one whose
+    arrays have other shapes than `state`'s raises :class:`ShapeMismatch` and stays in place.
     """
     target = abstract_state(state, shardings)
     if step is not None:
@@ -207,7 +218,7 @@ class CheckpointManager:
     for candidate in reversed(self.steps()):
       try:
         return self._restore(candidate, target, state)
-      except MissingField:
+      except (MissingField, ShapeMismatch):
         raise
       except Exception as e:  # orbax raises many types for unreadable files
         logger.warning("checkpoint step %d in %s is damaged and was skipped (%s: %s); "
@@ -221,7 +232,15 @@ class CheckpointManager:
     item = target if fit is None else fit[0]
     args = ocp.args.Composite(state=ocp.args.StandardRestore(item),
                               meta=ocp.args.JsonRestore())
-    out = self._manager.restore(step, args=args)
+    try:
+      out = self._manager.restore(step, args=args)
+    except Exception as e:
+      if _SHAPE_MISMATCH not in str(e):
+        raise
+      raise ShapeMismatch(
+          f"checkpoint step {step} in {self.directory} does not fit the state to restore "
+          f"({str(e).splitlines()[0][:300]}): it was written for another model shape or "
+          "layout; restore it with that model, or use another checkpoint directory") from e
     restored = out["state"]
     if fit is not None:
       fields = {}
@@ -276,4 +295,4 @@ class CheckpointManager:
     self.close()
 
 
-__all__ = ["CheckpointManager", "MissingField", "Restored", "abstract_state"]
+__all__ = ["CheckpointManager", "MissingField", "Restored", "ShapeMismatch", "abstract_state"]

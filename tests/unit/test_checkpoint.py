@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from fp8jax.checkpoint import CheckpointManager
+from fp8jax.checkpoint import CheckpointManager, ShapeMismatch
 from fp8jax.config import load_config
 from fp8jax import optim as fp8_optim
 from fp8jax.dot import init_dot_meta
@@ -208,7 +208,7 @@ def test_resharding_restore_8_to_4_to_1_devices_continues_training(tmp_path, key
 
 _SAVER = textwrap.dedent("""
     import sys, jax, jax.numpy as jnp
-    from fp8jax.checkpoint import CheckpointManager
+    from fp8jax.checkpoint import CheckpointManager, ShapeMismatch
     mgr = CheckpointManager(sys.argv[1])
     small = {"w": jnp.full((1024,), 1.0)}
     mgr.save(1, small); mgr.wait()
@@ -237,6 +237,21 @@ def test_killed_during_an_asynchronous_save_restores_the_earlier_checkpoint(tmp_
     restored = mgr.restore({"w": jnp.zeros((1024,))})
   assert restored.step == 1 and float(restored.state["w"][0]) == 1.0
   assert os.listdir(tmp_path) == ["1"]  # the torn save is cleaned up on resume
+
+
+def test_a_checkpoint_of_other_shapes_is_refused_and_kept(tmp_path, key):
+  """Restoring into a state whose arrays have other shapes (another model shape or layout)
+  raises ShapeMismatch naming the shapes; the checkpoint is not moved aside as damaged and
+  still restores into the right shapes."""
+  w = jax.random.normal(key, (2, 3, 4))
+  with CheckpointManager(tmp_path, save_every=1, async_save=False) as m:
+    m.save(1, {"w": w})
+  with CheckpointManager(tmp_path) as m:
+    with pytest.raises(ShapeMismatch, match=r"step 1 .* does not fit .*\(2, 4, 3\).*\(2, 3, 4\)"):
+      m.restore({"w": jnp.zeros((2, 4, 3))})
+    assert m.steps() == [1] and sorted(os.listdir(tmp_path)) == ["1"]
+    np.testing.assert_array_equal(np.asarray(m.restore({"w": jnp.zeros((2, 3, 4))}).state["w"]),
+                                  np.asarray(w))
 
 
 @pytest.mark.parametrize("kwargs,message", [
