@@ -412,6 +412,93 @@ def _gated_cast(x, scale, fmt, interpret: bool, block_m: int, block_k: int, num_
   return q, qt, jnp.max(partial)
 
 
+def join_parts(pieces, counts: tuple[int, ...], width: int) -> jax.Array:
+  """The [M, N] array whose columns, viewed as [M, groups, sum(counts), width], hold the
+  pieces [M, groups * counts[p] * width] one after another along the middle axis (the output
+  of a fused projection such as qkv [.., KV, G + 2, K], rebuilt from its q, k, v pieces)."""
+  m = pieces[0].shape[0]
+  groups = pieces[0].shape[1] // (counts[0] * width)
+  return jnp.concatenate([p.reshape(m, groups, c, width) for p, c in zip(pieces, counts)],
+                         axis=2).reshape(m, -1)
+
+
+def _piece_kernel(inv_ref, x_ref, *refs, bound: float, aliased: bool):
+  _kernel(inv_ref, x_ref, *(refs[2:] if aliased else refs), bound=bound, activation=None,
+          approx=False, with_input=False)
+
+
+def parts_reason(pieces, counts: tuple[int, ...], width: int, fmt, *,
+                 block_m: int = BLOCK_M, block_k: int = BLOCK_K) -> str | None:
+  """None when :func:`cast_transpose_amax_of_parts` runs here on these pieces, else why."""
+  if len(pieces) != len(counts) or not pieces or any(c < 1 for c in counts):
+    return f"{len(pieces)} pieces for counts {tuple(counts)}"
+  m = pieces[0].shape[0]
+  if any(p.ndim != 2 or p.shape[0] != m or p.dtype != pieces[0].dtype for p in pieces):
+    return "the pieces are not [M, *] arrays of one M and one dtype"
+  groups = pieces[0].shape[1] // (counts[0] * width)
+  if any(p.shape[1] != groups * c * width for p, c in zip(pieces, counts)):
+    return (f"piece widths {[p.shape[1] for p in pieces]} are not groups x counts "
+            f"{tuple(counts)} x {width}")
+  if width % block_k:
+    return f"the part width {width} is not a multiple of the block ({block_k})"
+  return kernel_reason((m, groups * sum(counts) * width), pieces[0].dtype, fmt,
+                       block_m=block_m, block_k=block_k)
+
+
+@functools.partial(jax.jit, static_argnames=("counts", "width", "fmt", "interpret", "block_m",
+                                             "block_k", "num_warps"))
+def cast_transpose_amax_of_parts(pieces, scale: jax.Array, fmt, *, counts: tuple[int, ...],
+                                 width: int, interpret: bool = False, block_m: int = BLOCK_M,
+                                 block_k: int = BLOCK_K, num_warps: int = NUM_WARPS):
+  """:func:`cast_transpose_amax` of ``join_parts(pieces, counts, width)`` without writing the
+  joined array: one kernel launch per piece casts its tiles straight to their place in q
+  [M, N] and q_t [N, M] (the launches share those buffers). Same values as the joined
+  array's cast; `width` must be a multiple of `block_k` (see :func:`parts_reason`)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plt
+
+  fmt = np.dtype(fmt).type
+  for p in pieces:
+    _check(p, fmt)
+  reason = parts_reason(pieces, counts, width, fmt, block_m=block_m, block_k=block_k)
+  if reason and "is not gpu" not in reason:
+    raise ValueError(f"cast_transpose_amax_of_parts: {reason}")
+  m = pieces[0].shape[0]
+  groups = pieces[0].shape[1] // (counts[0] * width)
+  total, per_unit = sum(counts), width // block_k
+  n = groups * total * width
+  inv = (1.0 / jnp.asarray(scale, jnp.float32)).reshape(1)
+  gm = m // block_m
+  q = qt = None
+  amaxes = []
+  offset = 0
+  for piece, count in zip(pieces, counts):
+    def column(jj, count=count, offset=offset):  # the piece's column block -> q's
+      unit, sub = jj // per_unit, jj % per_unit
+      return ((unit // count) * total + offset + unit % count) * per_unit + sub
+    aliased = q is not None
+    inputs = (inv, piece) + ((q, qt) if aliased else ())
+    whole = [pl.no_block_spec] * 2 if aliased else []
+    q, qt, partial = pl.pallas_call(
+        functools.partial(_piece_kernel, bound=scaling.fp8_max(fmt), aliased=aliased),
+        out_shape=(jax.ShapeDtypeStruct((m, n), fmt), jax.ShapeDtypeStruct((n, m), fmt),
+                   jax.ShapeDtypeStruct((gm, piece.shape[1] // block_k), jnp.float32)),
+        grid=(gm, piece.shape[1] // block_k),
+        in_specs=[pl.BlockSpec((None,), lambda i, j: (0,)),
+                  pl.BlockSpec((block_m, block_k), lambda i, j: (i, j))] + whole,
+        out_specs=(pl.BlockSpec((block_m, block_k), lambda i, j: (i, column(j))),
+                   pl.BlockSpec((block_k, block_m), lambda i, j: (column(j), i)),
+                   pl.BlockSpec((None, None), lambda i, j: (i, j))),
+        input_output_aliases={2: 0, 3: 1} if aliased else {},
+        compiler_params=plt.CompilerParams(num_warps=num_warps),
+        interpret=interpret,
+        name="fp8_cast_transpose_amax_part",
+    )(*inputs)
+    amaxes.append(jnp.max(partial))
+    offset += count
+  return q, qt, jnp.max(jnp.stack(amaxes))
+
+
 def kernel_reason(shape, dtype, fmt, *, block_m: int | None = None, block_k: int = BLOCK_K,
                   activation: str | None = None) -> str | None:
   """None when the kernel runs for x of `shape`/`dtype` here, else why not. With a gated
