@@ -14,8 +14,8 @@ _apply_xla_defaults()
 
 from fp8jax.recipe import E4M3, E5M2, LEVELS, O0, O1, O2, O3, OptLevel, Recipe, opt_level
 from fp8jax.scaling import Fp8Meta, combine_max, dequantize, init_meta, quantize
-from fp8jax.dot import (Fp8DotMeta, fp8_dot_general, fp8_dot_general_chained, fp8_dot_parts,
-                        fp8_mlp_chained, init_dot_meta, native_fp8_reason)
+from fp8jax.dot import (Fp8DotMeta, fp8_dot_general, fp8_dot_general_chained, fp8_mlp_chained,
+                        init_dot_meta, native_fp8_reason)
 from fp8jax.einsum import einsum_to_dot_general, fp8_einsum
 from fp8jax.accumulate import accumulate_gradients, mean_gradients
 from fp8jax.linen import FP8_COLLECTION, apply_fp8_updates
@@ -26,8 +26,8 @@ __version__ = "0.1.0"
 __all__ = [
     "E4M3", "E5M2", "LEVELS", "O0", "O1", "O2", "O3", "OptLevel", "Recipe", "opt_level",
     "Fp8Meta", "combine_max", "dequantize", "init_meta", "quantize",
-    "Fp8DotMeta", "fp8_dot_general", "fp8_dot_general_chained", "fp8_dot_parts",
-    "fp8_mlp_chained", "init_dot_meta",
+    "Fp8DotMeta", "fp8_dot_general", "fp8_dot_general_chained", "fp8_mlp_chained",
+    "init_dot_meta",
     "native_fp8_reason", "einsum_to_dot_general", "fp8_einsum",
     "accumulate_gradients", "mean_gradients", "FP8_COLLECTION", "apply_fp8_updates", "optim",
     "convert", "ConvertRules", "ConvertReport",

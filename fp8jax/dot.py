@@ -214,14 +214,8 @@ def _scale_before_cast(x, meta: Fp8Meta, recipe: Recipe, fmt, amax_axes, activat
   """scaling.scale_for_cast of ``ct.cast_operand(x, activation, activation_input)`` without
   the amax pass where delayed scaling does not need it: the tensor's amax is computed first
   only for current scaling or a never-observed meta."""
-  return _scale_from(lambda: scaling.compute_amax(
-      ct.cast_operand(x, activation, activation_input), amax_axes), meta, recipe, fmt)
-
-
-def _scale_from(amax_fn, meta: Fp8Meta, recipe: Recipe, fmt):
-  """The cast's scale: from ``amax_fn()`` (the tensor's amax, computed only where needed: for
-  current scaling or a never-observed meta), else the meta's delayed scale."""
-  cur = lambda: scaling.scale_for_cast(meta, amax_fn(), recipe, fmt)  # noqa: E731
+  cur = lambda: scaling.scale_for_cast(meta, scaling.compute_amax(
+      ct.cast_operand(x, activation, activation_input), amax_axes), recipe, fmt)
   if recipe.scaling == "current":
     return cur()
   if recipe.calibrated:
@@ -348,25 +342,15 @@ def _fp8_matmul_bwd(cfg: _Config, res, cts):
 
 
 def _matmul_bwd(cfg: _Config, res, g, meta_ct, out_activation: str | None = None,
-                out_activation_input=None, through_activation: bool = True, parts=None):
+                out_activation_input=None, through_activation: bool = True):
   """The backward of :func:`_fp8_matmul`. With `out_activation`, g is the cotangent of
   ``activate(y, out_activation)`` for this GEMM's output y = `out_activation_input`: the
   activation's derivative is applied in the gradient's cast. ``through_activation=False``
   returns the cotangent of the activated lhs (cfg.activation's derivative left to the
-  caller). With `parts` = (counts, width, fused), g is the tuple of pieces of y's cotangent
-  (``ct.join_parts``); `fused`: cast them without joining them."""
+  caller)."""
   qx, qw, sx, sw, og_meta, new_in, new_k, x_pre = res  # fused: qx is q_x_t[.., K, M]
   r = cfg.recipe
-  if parts is not None and not parts[2]:
-    g, parts = ct.join_parts(g, *parts[:2]), None
-  if parts is not None:  # [M, N] gradient from its pieces, never joined (cfg.fused)
-    sg = _scale_from(lambda: jnp.max(jnp.stack([scaling.compute_amax(p) for p in g])),
-                     og_meta, r, r.bwd_format)
-    qg, qg_t, ag = ct.cast_transpose_amax_of_parts(
-        g, sg, r.bwd_format, counts=parts[0], width=parts[1],
-        interpret=jax.default_backend() != "gpu")
-    g = qg  # (its rank is what the GEMMs below need)
-  elif cfg.fused:
+  if cfg.fused:
     qg, qg_t, ag, sg = _fused_cast(g, og_meta, r, r.bwd_format, cfg.amax_axes, out_activation,
                                    out_activation_input)
   else:
@@ -555,77 +539,6 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
                 activation=lhs_activation, w_gather=w_gather)
   y, meta_out = _fp8_matmul(x, w, meta, weight_cast, cfg)
   return y.reshape(out_shape), meta_out
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _fp8_parts(x, w, meta: Fp8DotMeta, wc: WeightCast | None, cfg: _Config, parts):
-  return _fp8_parts_fwd(x, w, meta, wc, cfg, parts)[0]
-
-
-def _fp8_parts_fwd(x, w, meta, wc, cfg, parts):
-  (y, _), res = _fp8_matmul_fwd(x, w, meta, wc, cfg)
-  counts, width = parts[:2]
-  y = y.reshape(y.shape[0], -1, sum(counts), width)
-  pieces = jnp.split(y, np.cumsum(counts)[:-1].tolist(), axis=2)
-  return (tuple(p.reshape(y.shape[0], -1) for p in pieces), meta), res
-
-
-def _fp8_parts_bwd(cfg, parts, res, cts):
-  pieces, meta_ct = cts
-  return _matmul_bwd(cfg, res, tuple(pieces), meta_ct, parts=parts)
-
-
-_fp8_parts.defvjp(_fp8_parts_fwd, _fp8_parts_bwd)
-
-
-def fp8_dot_parts(x, w, meta: Fp8DotMeta, recipe: Recipe = Recipe(), *,
-                  counts: Sequence[int], preferred_element_type=None,
-                  weight_cast: WeightCast | None = None):
-  """A fused projection's FP8 GEMM returned as its pieces: for x [..., D] and w
-  [D, ..., P, W] (P = sum(counts)), y = x @ w [..., P, W] split along P into pieces
-  [..., counts[i], W] (a qkv projection [.., KV, G + 2, K] into q, k, v with counts
-  (G, 1, 1)); returns ``(pieces, meta_passthrough)`` as for
-  :func:`fp8_dot_general_chained`.
-
-  The same quantized math as ``fp8_dot_general_chained`` followed by ``jnp.split``, except
-  that the backward never joins the pieces' gradients: with ``Recipe.fused_cast_transpose``
-  their cast reads them where they are (``fp8jax.kernels.cast_transpose.
-  cast_transpose_amax_of_parts``; W must be a multiple of its block, 128), so the joined bf16
-  gradient is never written. `weight_cast`: w already cast, as for
-  ``fp8_dot_general_chained``. Outside ``shard_map`` only, on a mesh without Explicit axes.
-  """
-  counts = tuple(int(c) for c in counts)
-  if not counts or any(c < 1 for c in counts):
-    raise ValueError(f"fp8_dot_parts: counts={counts} must be positive part counts")
-  if not isinstance(meta, Fp8DotMeta):
-    raise TypeError(f"fp8_dot_parts: meta must be an Fp8DotMeta, got {type(meta).__name__}")
-  if not isinstance(recipe, Recipe):
-    raise TypeError(f"fp8_dot_parts: recipe must be an fp8jax.Recipe, got "
-                    f"{type(recipe).__name__}")
-  x, w = jnp.asarray(x), jnp.asarray(w)
-  for name, arr in (("x", x), ("w", w)):
-    if not jnp.issubdtype(arr.dtype, jnp.floating):
-      raise TypeError(f"fp8_dot_parts: {name} must be a float array, got {arr.dtype}")
-  if x.ndim < 1 or w.ndim < 3 or x.shape[-1] != w.shape[0] or w.shape[-2] != sum(counts):
-    raise ValueError(f"fp8_dot_parts: shapes x{list(x.shape)}, w{list(w.shape)} with counts "
-                     f"{counts} are not x[..., D] @ w[D, ..., {sum(counts)}, W]")
-  reason = mlp_op_reason(x, w, w, meta, meta)
-  if reason:
-    raise ValueError(f"fp8_dot_parts: {reason}; use fp8_dot_general_chained and split")
-  out_dtype = preferred_element_type or jnp.result_type(x.dtype, w.dtype)
-  lead, d, feats = x.shape[:-1], x.shape[-1], w.shape[1:]
-  m, width = math.prod(lead), feats[-1]
-  w2 = w.reshape(d, -1)
-  if weight_cast is not None:
-    _check_weight_cast(weight_cast, w, recipe, frozenset())
-    weight_cast = WeightCast(weight_cast.q.reshape(w2.shape),
-                             *(jnp.asarray(a, jnp.float32) for a in weight_cast[1:]))
-  cfg = _plain_config((m, d), x.dtype, w2, out_dtype, recipe,
-                      weight_cast=weight_cast is not None)
-  fused = cfg.fused and width % ct.BLOCK_K == 0
-  (pieces, meta_out) = _fp8_parts(x.reshape(m, d), w2, meta, weight_cast, cfg,
-                                  (counts, width, fused))
-  return tuple(p.reshape(*lead, *feats[:-2], c, width) for p, c in zip(pieces, counts)), meta_out
 
 
 def fp8_dot_general(lhs, rhs, dimension_numbers, meta: Fp8DotMeta, recipe: Recipe = Recipe(),

@@ -135,40 +135,32 @@ class Fp8DotGeneral(nn.Module):
 DENSE_GEMM_NAME = "Fp8DotGeneral_0"
 
 
-def _dense_variables(module: nn.Module, name: str):
-  """(kernel, Fp8DotMeta, WeightCast or None) of `module`'s bias-free FP8 ``nn.Dense`` /
-  ``nn.DenseGeneral`` child `name` (kernel as stored), or a str saying what is missing."""
-  v = module.variables
-  p = v.get("params", {}).get(name)
-  if p is None or set(p) != {"kernel"}:
-    return (f"'{name}' is not a bias-free nn.Dense / nn.DenseGeneral with params (got "
-            f"{sorted(p or {})})")
-  state = v.get(FP8_COLLECTION, {}).get(name, {}).get(DENSE_GEMM_NAME)
-  if state is None or set(state) != set(_ROLES):
-    return f"'{name}' has no {DENSE_GEMM_NAME} FP8 state (its dot_general_cls is not FP8)"
-  cast = v.get(WEIGHT_CAST_COLLECTION, {}).get(name, {}).get(DENSE_GEMM_NAME)
-  return (p["kernel"], Fp8DotMeta(*(state[role] for role in _ROLES)),
-          None if cast is None else dot.WeightCast(*(cast[f] for f in dot.WeightCast._fields)))
-
-
 def _dense_mlp_variables(module: nn.Module, names: tuple[str, str], gated: bool = False):
   """((w_in, w_out), (each GEMM's Fp8DotMeta), (each weight's WeightCast or None)) of
   `module`'s two ``nn.Dense`` children `names`, or a str saying what is missing. `gated`: the
   first is an ``nn.DenseGeneral((F, 2))`` (kernel [D, F, 2], returned as [D, 2F])."""
+  v = module.variables
+  params, fp8 = v.get("params", {}), v.get(FP8_COLLECTION, {})
+  casts_in = v.get(WEIGHT_CAST_COLLECTION, {})
   kernels, metas, casts = [], [], []
   for i, name in enumerate(names):
-    found = _dense_variables(module, name)
-    if isinstance(found, str):
-      return found
-    w, meta, cast = found
+    p = params.get(name)
     pairs = gated and i == 0
-    if w.ndim != (3 if pairs else 2) or (pairs and w.shape[-1] != 2):
+    shape = jnp.shape(p["kernel"]) if p is not None and "kernel" in p else ()
+    if p is None or set(p) != {"kernel"} or len(shape) != (3 if pairs else 2) or (
+        pairs and shape[-1] != 2):
       what = "nn.DenseGeneral((F, 2))" if pairs else "nn.Dense"
-      return f"'{name}' is not a bias-free {what} (kernel {list(w.shape)})"
+      return (f"'{name}' is not a bias-free {what} with params (got "
+              f"{ {k: list(jnp.shape(a)) for k, a in (p or {}).items()} })")
+    state = fp8.get(name, {}).get(DENSE_GEMM_NAME)
+    if state is None or set(state) != set(_ROLES):
+      return f"'{name}' has no {DENSE_GEMM_NAME} FP8 state (its dot_general_cls is not FP8)"
     flat = lambda a: a.reshape(a.shape[0], -1)  # noqa: E731  [D, F, 2] -> [D, 2F]: a view
-    kernels.append(flat(w))
-    metas.append(meta)
-    casts.append(None if cast is None else cast._replace(q=flat(cast.q)))
+    kernels.append(flat(p["kernel"]))
+    metas.append(Fp8DotMeta(*(state[role] for role in _ROLES)))
+    cast = casts_in.get(name, {}).get(DENSE_GEMM_NAME)  # cast_weights: once per step
+    casts.append(None if cast is None else dot.WeightCast(
+        flat(cast["q"]), *(cast[f] for f in dot.WeightCast._fields[1:])))
   return tuple(kernels), tuple(metas), tuple(casts)
 
 
@@ -220,48 +212,6 @@ def dense_mlp(module: nn.Module, x, recipe: Recipe, activation: str = "gelu", dt
       x, w_in, w_out, m_in, m_out, recipe, activation, weight_cast_in=wc_in,
       weight_cast_out=wc_out)
   return y
-
-
-def dense_parts_reason(module: nn.Module, x, name: str, counts: Sequence[int]) -> str | None:
-  """None when :func:`dense_parts` can run `module`'s ``nn.DenseGeneral`` child `name` on `x`
-  with `counts`; else why not (then call the layer and split its output: same variables,
-  same quantized math)."""
-  if module.is_initializing():
-    return "initializing (the DenseGeneral layer creates its variables)"
-  if any(module.is_mutable_collection(c) for c in (HEALTH_COLLECTION, PERTURBATIONS)):
-    return "the FP8 health probe watches each Dense layer"
-  if fsdp.active() is not None:
-    return "ZeRO-3 gathers each Dense layer's weight at its GEMM"
-  found = _dense_variables(module, name)
-  if isinstance(found, str):
-    return found
-  w, meta, _ = found
-  if w.ndim < 3 or w.shape[-2] != sum(counts):
-    return f"'{name}' kernel {list(w.shape)} has no [.., {sum(counts)}, W] parts axis"
-  return dot.mlp_op_reason(x, w, w, meta, meta)
-
-
-def dense_parts(module: nn.Module, x, recipe: Recipe, name: str, counts: Sequence[int],
-                dtype=None):
-  """The output of `module`'s bias-free ``nn.DenseGeneral`` child `name` (kernel
-  [D, ..., P, W], an :class:`Fp8DotGeneral` GEMM) split along P into pieces of `counts`, run
-  as one :func:`fp8jax.dot.fp8_dot_parts` op on its variables: the pieces' gradients are cast
-  for the backward GEMMs without being joined. Variables, FP8 updates (chained with other
-  calls of the layer in this apply), a weight cast outside (:func:`cast_weights`) and the
-  quantized math are the layer's. Must run inside `module`'s compact ``__call__`` (not at
-  init: :func:`dense_parts_reason`). Returns the pieces [..., counts[i], W] (leading output
-  dims kept); `dtype`: the layer's compute dtype."""
-  reason = dense_parts_reason(module, x, name, counts)
-  if reason:
-    raise ValueError(f"dense_parts of {module.scope.path} {name!r}: {reason}")
-  w, meta, wc = _dense_variables(module, name)
-  if dtype is not None:
-    x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
-  chain = _CHAINS.setdefault(module.scope.root, {})
-  path = module.scope.path + (name, DENSE_GEMM_NAME)
-  pieces, chain[path] = dot.fp8_dot_parts(x, w, chain.get(path, meta), recipe, counts=counts,
-                                          weight_cast=wc)
-  return pieces
 
 
 class DotGeneral(nn.Module):

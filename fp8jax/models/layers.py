@@ -46,8 +46,7 @@ from fp8jax.dot import GEMM_OUTPUT_NAME, INPUT_CAST_NAME, WEIGHT_CAST_NAME
 from fp8jax.hardware import DeviceReport, cudnn_attention_head_dim, local_report
 from fp8jax.kernels.cast_transpose import activate
 from fp8jax.linen import (HEALTH_COLLECTION, PERTURBATIONS, WEIGHT_CAST_COLLECTION,
-                          DotGeneral, Fp8DotGeneral, dense_mlp, dense_mlp_reason, dense_parts,
-                          dense_parts_reason)
+                          DotGeneral, Fp8DotGeneral, dense_mlp, dense_mlp_reason)
 
 DTYPES = ("bfloat16", "float32", "float16")
 PARAM_DTYPES = ("float32", "bfloat16")
@@ -300,9 +299,7 @@ class Embed(nn.Embed):
 
 class Attention(nn.Module):
   """Causal self-attention with grouped key/value heads: x[B, T, D] -> [B, T, D];
-  projections through the FP8 GEMM (one fused qkv GEMM, one output GEMM). At FP8 levels the
-  qkv GEMM runs as ``fp8jax.linen.dense_parts`` where it can (same variables; not while
-  initializing, probing FP8 health, gathering ZeRO-3 weights, or inside ``shard_map``)."""
+  projections through the FP8 GEMM (one fused qkv GEMM, one output GEMM)."""
 
   config: Any
   recipe: Recipe | None
@@ -315,20 +312,13 @@ class Attention(nn.Module):
     std = cfg.d_model ** -0.5
     # Key/value heads first, so a tensor-parallel split of them is a contiguous block of the
     # GEMM's output columns (fp8jax.parallel.tensor).
-    if self.recipe is not None and dense_parts_reason(self, x, "qkv", (g, 1, 1)) is None:
-      # One FP8 op returning q, k, v: their gradients are cast for the qkv GEMM's backward
-      # where they lie, never joined into one [B, T, KV, G+2, K] array.
-      q, k, v = (saveable(a) for a in dense_parts(self, x, self.recipe, "qkv", (g, 1, 1),
-                                                  jnp.dtype(cfg.dtype)))
-    else:
-      qkv = saveable(nn.DenseGeneral((kv, g + 2, k_dim), name="qkv",
-                                     **dense_kwargs(cfg, self.recipe, std))(
-                                         saveable_input(x, self.recipe)))  # [B, T, KV, G+2, K]
-      # One split: its gradient is one concatenation (three indexings would give three padded
-      # copies summed).
-      q, k, v = jnp.split(qkv, (g, g + 1), axis=3)
-    # Query head h = key/value head h // G, as dot_product_attention groups them.
-    q = q.reshape(*q.shape[:2], h, k_dim)
+    qkv = saveable(nn.DenseGeneral((kv, g + 2, k_dim), name="qkv",
+                                   **dense_kwargs(cfg, self.recipe, std))(
+                                       saveable_input(x, self.recipe)))  # [B, T, KV, G+2, K]
+    # One split: its gradient is one concatenation (three indexings would give three padded
+    # copies summed). Query head h = key/value head h // G, as dot_product_attention groups.
+    q, k, v = jnp.split(qkv, (g, g + 1), axis=3)
+    q = q.reshape(*qkv.shape[:2], h, k_dim)
     k, v = k[:, :, :, 0], v[:, :, :, 0]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     # Scores and softmax in f32 (activation x activation: no FP8), output in the compute dtype.

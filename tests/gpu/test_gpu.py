@@ -172,26 +172,6 @@ def test_swiglu_cast_kernels_compile_and_match_xla():
     assert 1e-2 < rel(q32) <= 1.02 * rel(rq32), (fmt, rel(q32), rel(rq32))
 
 
-def test_qkv_parts_cast_kernel_compiles_and_matches_xla():
-  """The parts kernel through Triton (one launch per piece, the later ones writing into the
-  first's q and q_t): bit-identical to XLA's cast of the joined qkv gradient."""
-  from fp8jax.kernels import cast_transpose as ct
-  seed = np.random.randint(1 << 30)
-  print("seed", seed)
-  keys = jax.random.split(jax.random.key(seed), 3)
-  counts, width = (4, 1, 1), 128  # 8 key/value heads of 4 query heads each
-  pieces = tuple(jax.random.normal(k, (4096, 8 * c * width)).astype(jnp.bfloat16)
-                 for k, c in zip(keys, counts))
-  scale, e5m2 = jnp.float32(2.0 ** -14), jnp.float8_e5m2
-  q, q_t, amax = ct.cast_transpose_amax_of_parts(pieces, scale, e5m2, counts=counts,
-                                                 width=width)
-  rq, rq_t, ramax = jax.jit(ct.cast_transpose_reference, static_argnums=2)(
-      ct.join_parts(pieces, counts, width), scale, e5m2)
-  np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(rq).view(np.uint8))
-  np.testing.assert_array_equal(np.asarray(q_t).view(np.uint8), np.asarray(rq_t).view(np.uint8))
-  assert float(amax) == float(ramax)
-
-
 @pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
 def test_gpt_mlp_as_one_op_compiles_to_fp8_gemms_and_cast_kernels(mlp):
   """The GPT's GELU or SwiGLU MLP on one GPU runs as one op (fp8jax.linen.dense_mlp): its
