@@ -187,9 +187,9 @@ def dense_mlp(module: nn.Module, x, recipe: Recipe, activation: str = "gelu", dt
   """``Dense(names[1])(activate(Dense(names[0])(x)))`` of `module`'s two bias-free ``nn.Dense``
   children with :class:`Fp8DotGeneral` GEMMs (with a gated `activation` such as "swiglu" the
   first is an ``nn.DenseGeneral((F, 2))``: (gate, up) pairs), run as one
-  :func:`fp8jax.dot.fp8_mlp_chained` op on their variables (created by an earlier ``init`` through the Dense layers themselves):
-  the activation's derivative is applied inside the cast of the gradient entering the first
-  GEMM. The variables, their FP8 updates (also chained with other calls of the same Dense
+  :func:`fp8jax.dot.fp8_mlp_chained` op on their variables (created by an earlier ``init``
+  through the Dense layers themselves): the activation's derivative is applied inside the
+  cast of the gradient entering the first GEMM. The variables, their FP8 updates (also chained with other calls of the same Dense
   layers in this apply), the weights cast outside (:func:`cast_weights`, when given) and the
   quantized math are the Dense layers'.
 

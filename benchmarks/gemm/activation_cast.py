@@ -13,12 +13,12 @@ does (its own kernel is timed beside them). SwiGLU: the gate and up projections 
 silu(gate) * up, cast; and backward, [d_gate | d_up] from dy[M, F] and gu2 cast to E5M2
 [M, 2F]; and fp8jax's own kernels (``activation="swiglu"``), which read the interleaved
 pairs as 32-bit words and write the gradient's pairs interleaved. Each kernel variant
-computes tanh exactly (``jnp.tanh``) or with the GPU's ``tanh.approx.f32``; the error of each GELU against
-float64 is printed beside the bf16 rounding's. The GELU backward kernels are the script's
-own (fp8jax's is reached through ``fp8jax.fp8_mlp_chained``, both MLP GEMMs in one
-differentiated op; ``fp8jax bench mlp --modes fp8jax_mlp_op`` times it in the block); the
-SwiGLU rows time fp8jax's gated kernels directly. Milliseconds per
-call: median of 5 rounds of 30 back-to-back calls.
+computes tanh exactly (``jnp.tanh``) or with the GPU's ``tanh.approx.f32``; the error of
+each GELU against float64 is printed beside the bf16 rounding's. The GELU backward kernels
+are the script's own (fp8jax's is reached through ``fp8jax.fp8_mlp_chained``, both MLP GEMMs
+in one differentiated op; ``fp8jax bench mlp --modes fp8jax_mlp_op`` times it in the block);
+the SwiGLU rows time fp8jax's gated kernels directly. Milliseconds per call: median of 5
+rounds of 30 back-to-back calls.
 """
 from __future__ import annotations
 
