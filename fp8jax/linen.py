@@ -189,9 +189,9 @@ def dense_mlp(module: nn.Module, x, recipe: Recipe, activation: str = "gelu", dt
   first is an ``nn.DenseGeneral((F, 2))``: (gate, up) pairs), run as one
   :func:`fp8jax.dot.fp8_mlp_chained` op on their variables (created by an earlier ``init``
   through the Dense layers themselves): the activation's derivative is applied inside the
-  cast of the gradient entering the first GEMM. The variables, their FP8 updates (also chained with other calls of the same Dense
-  layers in this apply), the weights cast outside (:func:`cast_weights`, when given) and the
-  quantized math are the Dense layers'.
+  cast of the gradient entering the first GEMM. The variables, their FP8 updates (also
+  chained with other calls of the same Dense layers in this apply), the weights cast outside
+  (:func:`cast_weights`, when given) and the quantized math are the Dense layers'.
 
   Must run inside `module`'s compact ``__call__``. Args: x [..., D]; `recipe`: the Dense layers'
   recipe; `activation`: as for ``fp8_mlp_chained``; `dtype`: the Dense layers' compute dtype
