@@ -143,6 +143,7 @@ class _Config(NamedTuple):
   fused: bool = False  # activations / output gradients cast by the fused cast+transpose kernel
   weight_cast: bool = False  # the weight arrives cast (a WeightCast)
   activation: str | None = None  # x arrives before this activation (applied in the cast)
+  norm_eps: float | None = None  # x arrives before RMSNorm (this epsilon; its gain an operand)
   # (home, gathered, keep) for the canonical w: w lives sharded (home), its E4M3 cast is
   # all-gathered for the GEMM and again in the backward (unless keep: the gathered bytes are
   # the residual), its gradient reduce-scattered
@@ -210,12 +211,12 @@ def _mm(a, b, contract: tuple[int, int], scale, out_dtype, native: bool, fast_ac
 
 
 def _scale_before_cast(x, meta: Fp8Meta, recipe: Recipe, fmt, amax_axes, activation=None,
-                       activation_input=None):
-  """scaling.scale_for_cast of ``ct.cast_operand(x, activation, activation_input)`` without
-  the amax pass where delayed scaling does not need it: the tensor's amax is computed first
-  only for current scaling or a never-observed meta."""
+                       activation_input=None, norm=None):
+  """scaling.scale_for_cast of ``ct.cast_operand(x, activation, activation_input, norm)``
+  without the amax pass where delayed scaling does not need it: the tensor's amax is computed
+  first only for current scaling or a never-observed meta."""
   cur = lambda: scaling.scale_for_cast(meta, scaling.compute_amax(
-      ct.cast_operand(x, activation, activation_input), amax_axes), recipe, fmt)
+      ct.cast_operand(x, activation, activation_input, norm), amax_axes), recipe, fmt)
   if recipe.scaling == "current":
     return cur()
   if recipe.calibrated:
@@ -224,13 +225,15 @@ def _scale_before_cast(x, meta: Fp8Meta, recipe: Recipe, fmt, amax_axes, activat
 
 
 def _fused_cast(x, meta: Fp8Meta, recipe: Recipe, fmt, amax_axes, activation=None,
-                activation_input=None):
+                activation_input=None, norm=None):
   """(q, q_t, amax, scale) of x[B?, M, K] (or of ``ct.cast_operand(x, activation,
-  activation_input)``) in one pass of the fused kernel; same values as scale_for_cast +
+  activation_input, norm)``) in one pass of the fused kernel; same values as scale_for_cast +
   quantize + compute_amax."""
-  scale = _scale_before_cast(x, meta, recipe, fmt, amax_axes, activation, activation_input)
+  scale = _scale_before_cast(x, meta, recipe, fmt, amax_axes, activation, activation_input,
+                             norm)
   q, q_t, amax = ct.cast_transpose_amax(x, scale, fmt, interpret=jax.default_backend() != "gpu",
-                                        activation=activation, activation_input=activation_input)
+                                        activation=activation, activation_input=activation_input,
+                                        norm=norm)
   if amax_axes:
     amax = lax.pmax(amax, tuple(amax_axes))
   return q, q_t, amax, scale
@@ -295,21 +298,24 @@ def _name_cast(name: str, *arrays):
   return tuple(out)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _fp8_matmul(x, w, meta: Fp8DotMeta, wc: WeightCast | None, cfg: _Config):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _fp8_matmul(x, w, meta: Fp8DotMeta, wc: WeightCast | None, gain, cfg: _Config):
   """x[B?, M, K] @ w[B?, K, N] in FP8; returns (y[B?, M, N], meta). `wc`: w's cast, already
-  done (w itself then only receives the weight gradient), or None."""
-  return _fp8_matmul_fwd(x, w, meta, wc, cfg)[0]
+  done (w itself then only receives the weight gradient), or None. With ``cfg.norm_eps`` the
+  GEMM multiplies ``ct.rms_norm(x, gain, cfg.norm_eps)`` (gain [K]); else gain is None."""
+  return _fp8_matmul_fwd(x, w, meta, wc, gain, cfg)[0]
 
 
-def _fp8_matmul_fwd(x, w, meta: Fp8DotMeta, wc: WeightCast | None, cfg: _Config):
+def _fp8_matmul_fwd(x, w, meta: Fp8DotMeta, wc: WeightCast | None, gain, cfg: _Config):
   r = cfg.recipe
-  x_pre = x if cfg.activation else None  # the activation's backward needs its input
+  # The activation's / norm's backward needs its input.
+  x_pre = x if cfg.activation or cfg.norm_eps is not None else None
+  norm = None if cfg.norm_eps is None else (ct.rms_norm_rstd(x, cfg.norm_eps), gain)
   if cfg.fused:
     qx, qx_saved, ax, sx = _fused_cast(x, meta.input, r, r.fwd_format, cfg.amax_axes,
-                                       cfg.activation)
+                                       cfg.activation, norm=norm)
   else:
-    x = ct.activate(x, cfg.activation)
+    x = ct.cast_operand(x, cfg.activation, norm=norm)
     ax = scaling.compute_amax(x, cfg.amax_axes)
     sx = scaling.scale_for_cast(meta.input, ax, r, r.fwd_format)
     qx = qx_saved = scaling.quantize(x, sx, r.fwd_format)
@@ -333,7 +339,7 @@ def _fp8_matmul_fwd(x, w, meta: Fp8DotMeta, wc: WeightCast | None, cfg: _Config)
   new_k = scaling.update_meta(meta.kernel, aw, r, r.fwd_format)
   # Fused: the residual is x's transposed copy q_x_t[.., K, M], ready for the TN wgrad GEMM.
   # Gathered weights keep only their shard; the backward gathers it again.
-  res = (qx_saved, qw_saved, sx, sw, meta.output_grad, new_in, new_k, x_pre)
+  res = (qx_saved, qw_saved, sx, sw, meta.output_grad, new_in, new_k, x_pre, gain)
   return (y, meta), res
 
 
@@ -347,8 +353,8 @@ def _matmul_bwd(cfg: _Config, res, g, meta_ct, out_activation: str | None = None
   ``activate(y, out_activation)`` for this GEMM's output y = `out_activation_input`: the
   activation's derivative is applied in the gradient's cast. ``through_activation=False``
   returns the cotangent of the activated lhs (cfg.activation's derivative left to the
-  caller)."""
-  qx, qw, sx, sw, og_meta, new_in, new_k, x_pre = res  # fused: qx is q_x_t[.., K, M]
+  caller). Returns the cotangents of (x, w, meta, wc, gain)."""
+  qx, qw, sx, sw, og_meta, new_in, new_k, x_pre, gain = res  # fused: qx is q_x_t[.., K, M]
   r = cfg.recipe
   if cfg.fused:
     qg, qg_t, ag, sg = _fused_cast(g, og_meta, r, r.bwd_format, cfg.amax_axes, out_activation,
@@ -378,11 +384,15 @@ def _matmul_bwd(cfg: _Config, res, g, meta_ct, out_activation: str | None = None
     dw = fsdp.sum_into(dw, cfg.w_gather[0], cfg.w_dtype)
   if cfg.activation and through_activation:  # recomputed from its input (elementwise)
     dx = ct.activation_grad(dx, x_pre, cfg.activation)
+  d_gain = None
+  if cfg.norm_eps is not None:  # RMSNorm's backward, recomputed from its input
+    dx, d_gain = jax.vjp(lambda v, g: ct.rms_norm(v, g, cfg.norm_eps), x_pre, gain)[1](
+        dx.astype(x_pre.dtype))
   new_meta = Fp8DotMeta(new_in, new_k, scaling.update_meta(og_meta, ag, r, r.bwd_format))
   new_meta = jax.tree.map(lambda a: _to_vma(a, cfg.meta_vma), new_meta)
   wc_ct = WeightCast(jnp.zeros_like(qw), jnp.zeros_like(sw), jnp.zeros_like(sw)) \
       if cfg.weight_cast else None  # a cast is not differentiated (w gets the weight gradient)
-  return dx, dw, scaling.combine_max(new_meta, meta_ct), wc_ct
+  return dx, dw, scaling.combine_max(new_meta, meta_ct), wc_ct, d_gain
 
 
 _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
@@ -465,11 +475,48 @@ def _weight_gather(shardings, rhs_shape, dimension_numbers, rperm, vma: frozense
       bool(keep),)
 
 
+def lhs_norm_reason(lhs) -> str | None:
+  """None when ``fp8_dot_general_chained(lhs_norm=...)`` / ``fp8_mlp_chained(norm=...)`` can
+  take `lhs` here, else why not."""
+  if _vma(lhs):
+    return "inside shard_map the norm is applied before the GEMM"
+  return None
+
+
+def _check_lhs_norm(lhs_norm, lhs, dimension_numbers, lhs_activation, meta):
+  """(gain, eps) of a valid ``lhs_norm`` (or (None, None) without one); ValueError/TypeError
+  saying what is wrong otherwise."""
+  if lhs_norm is None:
+    return None, None
+  try:
+    gain, eps = lhs_norm
+  except (TypeError, ValueError):
+    raise TypeError(f"lhs_norm must be (gain, eps), got {type(lhs_norm).__name__}") from None
+  gain = jnp.asarray(gain)
+  (lc, _), (lb, _) = dimension_numbers
+  k = jnp.shape(lhs)[-1] if jnp.ndim(lhs) else None
+  if tuple(int(a) for a in lc) != (jnp.ndim(lhs) - 1,) or tuple(lb):
+    raise ValueError(f"lhs_norm normalizes lhs's last axis, which must be its one contracting "
+                     f"axis (no batch axes); got dimension_numbers {dimension_numbers} for lhs "
+                     f"{list(jnp.shape(lhs))}")
+  if gain.shape != (k,) or not jnp.issubdtype(gain.dtype, jnp.floating):
+    raise ValueError(f"lhs_norm's gain must be a float [{k}] (lhs's last axis), got "
+                     f"{gain.dtype}{list(gain.shape)}")
+  if not float(eps) > 0:
+    raise ValueError(f"lhs_norm's eps must be > 0, got {eps}")
+  if lhs_activation is not None:
+    raise ValueError("lhs_norm with lhs_activation is not supported (a norm feeds the GEMM "
+                     "directly)")
+  if _vma(lhs) or _vma(gain) or any(_vma(a) for a in jax.tree.leaves(meta)):
+    raise ValueError(f"lhs_norm is not supported here: {lhs_norm_reason(lhs) or 'inside shard_map'}")
+  return gain, float(eps)
+
+
 def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
                             recipe: Recipe = Recipe(), *, preferred_element_type=None,
                             amax_axes: Sequence[str] = (), weight_cast: WeightCast | None = None,
                             lhs_activation: str | None = None, weight_shardings=None,
-                            keep_gathered_weight: bool = False):
+                            keep_gathered_weight: bool = False, lhs_norm=None):
   """FP8 ``lax.dot_general``; returns ``(out, meta_passthrough)``.
 
   `meta_passthrough` equals `meta`; hand it to the next call of the same layer so both
@@ -496,8 +543,15 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
       `weight_cast`, not inside ``shard_map``.
     keep_gathered_weight: with `weight_shardings`, keep the gathered FP8 weight for the
       backward instead of its shard (for a GEMM under remat: ``fsdp.WeightGather``).
+    lhs_norm: None, or ``(gain, eps)``: multiply RMSNorm's output
+      ``fp8jax.kernels.cast_transpose.rms_norm(lhs, gain, eps)`` (flax's ``nn.RMSNorm`` in
+      f32, rounded to lhs's dtype; gain [K] over lhs's last axis, which must be its one
+      contracting axis) instead of lhs; with ``Recipe.fused_cast_transpose`` the fused kernel
+      normalizes while casting, so the normed tensor is never stored. lhs and gain get their
+      gradients through the norm. Not with `lhs_activation`, not inside ``shard_map``.
   """
   ct.check_activation(lhs_activation)
+  gain, norm_eps = _check_lhs_norm(lhs_norm, lhs, dimension_numbers, lhs_activation, meta)
   if lhs_activation in ct.GATED:
     raise ValueError(f"lhs_activation={lhs_activation!r} is gated (it halves the lhs's last "
                      "axis); fp8_mlp_chained runs it between an MLP's two GEMMs")
@@ -536,8 +590,8 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
   cfg = _Config(recipe, np.dtype(out_dtype).type, reason is None, tuple(amax_axes),
                 np.dtype(lhs.dtype).type, np.dtype(rhs.dtype).type, meta_vma,
                 *_explicit_shardings(x, w), fused=fused, weight_cast=weight_cast is not None,
-                activation=lhs_activation, w_gather=w_gather)
-  y, meta_out = _fp8_matmul(x, w, meta, weight_cast, cfg)
+                activation=lhs_activation, norm_eps=norm_eps, w_gather=w_gather)
+  y, meta_out = _fp8_matmul(x, w, meta, weight_cast, gain, cfg)
   return y.reshape(out_shape), meta_out
 
 
@@ -556,18 +610,19 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, meta: Fp8DotMeta, recipe: Recip
 
 def _plain_config(x_shape, x_dtype, w, out_dtype, recipe: Recipe,
                   activation: str | None = None, weight_cast: bool = False,
-                  grad_activation: str | None = None) -> _Config:
+                  grad_activation: str | None = None, norm_eps: float | None = None
+                  ) -> _Config:
   """The _Config of an activate(x)[M, K] @ w[K, N] GEMM outside shard_map (as
   fp8_dot_general_chained builds it for such a call; logs the same notes); x_shape is x's
-  (before `activation`), `grad_activation` the derivative applied in the output gradient's
-  cast."""
+  (before `activation` or the RMSNorm of epsilon `norm_eps`), `grad_activation` the
+  derivative applied in the output gradient's cast."""
   m, n = x_shape[0], w.shape[1]
   reason = _native_reason(m, w.shape[0], n, out_dtype)
   fused = _uses_fused_kernel(x_shape, x_dtype, (m, n), out_dtype, recipe, reason is None, False,
                              activation, grad_activation)
   return _Config(recipe, np.dtype(out_dtype).type, reason is None, (), np.dtype(x_dtype).type,
                  np.dtype(w.dtype).type, fused=fused, weight_cast=weight_cast,
-                 activation=activation)
+                 activation=activation, norm_eps=norm_eps)
 
 
 def mlp_op_reason(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta) -> str | None:
@@ -581,17 +636,18 @@ def mlp_op_reason(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta) -> 
   return None
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
 def _fp8_mlp(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta,
-             wc_in: WeightCast | None, wc_out: WeightCast | None, cfg_in: _Config,
+             wc_in: WeightCast | None, wc_out: WeightCast | None, gain, cfg_in: _Config,
              cfg_out: _Config):
-  return _fp8_mlp_fwd(x, w_in, w_out, meta_in, meta_out, wc_in, wc_out, cfg_in, cfg_out)[0]
+  return _fp8_mlp_fwd(x, w_in, w_out, meta_in, meta_out, wc_in, wc_out, gain, cfg_in,
+                      cfg_out)[0]
 
 
-def _fp8_mlp_fwd(x, w_in, w_out, meta_in, meta_out, wc_in, wc_out, cfg_in, cfg_out):
-  (h, _), res_in = _fp8_matmul_fwd(x, w_in, meta_in, wc_in, cfg_in)
+def _fp8_mlp_fwd(x, w_in, w_out, meta_in, meta_out, wc_in, wc_out, gain, cfg_in, cfg_out):
+  (h, _), res_in = _fp8_matmul_fwd(x, w_in, meta_in, wc_in, gain, cfg_in)
   h = checkpoint_name(h, GEMM_OUTPUT_NAME)  # the activation's input: kept by saving policies
-  (y, _), res_out = _fp8_matmul_fwd(h, w_out, meta_out, wc_out, cfg_out)
+  (y, _), res_out = _fp8_matmul_fwd(h, w_out, meta_out, wc_out, None, cfg_out)
   return (y, meta_in, meta_out), (res_in, res_out)
 
 
@@ -600,11 +656,12 @@ def _fp8_mlp_bwd(cfg_in, cfg_out, res, cts):
   g, meta_in_ct, meta_out_ct = cts
   # The second GEMM hands back the cotangent of the activated hidden state; the first applies
   # the activation's derivative (at h, the second GEMM's saved input) inside its gradient cast.
-  dh, dw_out, new_out, wc_out_ct = _matmul_bwd(cfg_out, res_out, g, meta_out_ct,
-                                               through_activation=False)
-  dx, dw_in, new_in, wc_in_ct = _matmul_bwd(cfg_in, res_in, dh, meta_in_ct, cfg_out.activation,
-                                            res_out[-1])
-  return dx, dw_in, dw_out, new_in, new_out, wc_in_ct, wc_out_ct
+  dh, dw_out, new_out, wc_out_ct, _ = _matmul_bwd(cfg_out, res_out, g, meta_out_ct,
+                                                  through_activation=False)
+  x_pre_out = res_out[7]  # the second GEMM's input before its activation: the hidden state
+  dx, dw_in, new_in, wc_in_ct, d_gain = _matmul_bwd(cfg_in, res_in, dh, meta_in_ct,
+                                                    cfg_out.activation, x_pre_out)
+  return dx, dw_in, dw_out, new_in, new_out, wc_in_ct, wc_out_ct, d_gain
 
 
 _fp8_mlp.defvjp(_fp8_mlp_fwd, _fp8_mlp_bwd)
@@ -613,7 +670,7 @@ _fp8_mlp.defvjp(_fp8_mlp_fwd, _fp8_mlp_bwd)
 def fp8_mlp_chained(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta,
                     recipe: Recipe = Recipe(), activation: str = "gelu", *,
                     preferred_element_type=None, weight_cast_in: WeightCast | None = None,
-                    weight_cast_out: WeightCast | None = None):
+                    weight_cast_out: WeightCast | None = None, norm=None):
   """An MLP's two FP8 GEMMs in one differentiated op: ``y = activate(x @ w_in) @ w_out``
   (:func:`fp8jax.kernels.cast_transpose.activate`); returns ``(y, meta_in_passthrough,
   meta_out_passthrough)``, the passthroughs as for :func:`fp8_dot_general_chained`.
@@ -638,6 +695,9 @@ def fp8_mlp_chained(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta,
     weight_cast_in, weight_cast_out: w_in / w_out already cast,
       ``cast_weight(w, meta.kernel, recipe)`` (e.g. once per optimizer step), or None; as
       for ``fp8_dot_general_chained``'s `weight_cast`.
+    norm: None, or ``(gain, eps)``: the first GEMM multiplies RMSNorm's output
+      ``rms_norm(x, gain, eps)`` (gain [D]) instead of x, normalized inside its input's cast,
+      as ``fp8_dot_general_chained``'s `lhs_norm`.
   Returns y [..., N]. Outside ``shard_map`` only, on a mesh without Explicit axes (else use
   two fp8_dot_general_chained calls).
   """
@@ -665,6 +725,7 @@ def fp8_mlp_chained(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta,
   reason = mlp_op_reason(x, w_in, w_out, meta_in, meta_out)
   if reason:
     raise ValueError(f"fp8_mlp: {reason}; use two fp8_dot_general_chained calls")
+  gain, norm_eps = _check_lhs_norm(norm, x, (((x.ndim - 1,), (0,)), ((), ())), None, meta_in)
   h_dtype = preferred_element_type or jnp.result_type(x.dtype, w_in.dtype)
   y_dtype = preferred_element_type or jnp.result_type(h_dtype, w_out.dtype)
   lead, d = x.shape[:-1], x.shape[-1]
@@ -677,8 +738,10 @@ def fp8_mlp_chained(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta,
       wc = WeightCast(wc.q, *(jnp.asarray(a, jnp.float32) for a in wc[1:]))
     casts.append(wc)
   cfg_in = _plain_config((m, d), x.dtype, w_in, h_dtype, recipe,
-                         weight_cast=casts[0] is not None, grad_activation=activation)
+                         weight_cast=casts[0] is not None, grad_activation=activation,
+                         norm_eps=norm_eps)
   cfg_out = _plain_config((m, f), h_dtype, w_out, y_dtype, recipe, activation,
                           weight_cast=casts[1] is not None)
-  y, meta_in, meta_out = _fp8_mlp(x2, w_in, w_out, meta_in, meta_out, *casts, cfg_in, cfg_out)
+  y, meta_in, meta_out = _fp8_mlp(x2, w_in, w_out, meta_in, meta_out, *casts, gain, cfg_in,
+                                  cfg_out)
   return y.reshape(*lead, w_out.shape[1]), meta_in, meta_out

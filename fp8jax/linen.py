@@ -42,12 +42,14 @@ _ROLES = Fp8DotMeta._fields
 _CHAINS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
-def _chained(module: nn.Module, fn, lhs, rhs, *rest, activation: str | None = None):
+def _chained(module: nn.Module, fn, lhs, rhs, *rest, activation: str | None = None,
+             norm=None):
   """Runs ``fn(lhs, rhs, *rest, meta) -> (y, meta_passthrough)`` with `module`'s FP8 state.
 
   A second call of the same module in one apply consumes the first call's passthrough, so
   their FP8 updates combine by max in the backward pass. `activation`: the GEMM multiplies
-  ``activate(lhs, activation)`` (what the health probe looks at).
+  ``activate(lhs, activation)``; `norm` (gain, eps): ``rms_norm(lhs, gain, eps)`` (what the
+  health probe looks at).
   """
   variables = {role: module.variable(FP8_COLLECTION, role, scaling.init_meta,
                                      module.recipe.amax_history_len) for role in _ROLES}
@@ -57,7 +59,9 @@ def _chained(module: nn.Module, fn, lhs, rhs, *rest, activation: str | None = No
     meta = Fp8DotMeta(*(variables[role].value for role in _ROLES))
   probing = module.is_mutable_collection(HEALTH_COLLECTION) and not module.is_initializing()
   if probing:
-    _sow_cast_health(module, meta, cast_transpose.activate(lhs, activation), rhs)
+    operand = (cast_transpose.activate(lhs, activation) if norm is None
+               else cast_transpose.rms_norm(lhs, *norm))
+    _sow_cast_health(module, meta, operand, rhs)
   y, chain[module.scope.path] = fn(lhs, rhs, *rest, meta)
   if probing:  # the probe differentiates w.r.t. this zero perturbation to see d loss / d y
     y = module.perturb("output", y, collection=PERTURBATIONS)
@@ -106,11 +110,16 @@ class Fp8DotGeneral(nn.Module):
     lhs_activation: None, or "gelu": the GEMM multiplies GELU(lhs) (computed inside the FP8
       cast, see ``fp8_dot_general_chained``); e.g. an MLP's output projection fed its
       pre-activation.
+    lhs_norm: None, or ``(gain [K], eps)``: the GEMM multiplies RMSNorm(lhs) (normalized
+      inside the FP8 cast, ``fp8_dot_general_chained``'s `lhs_norm`); e.g. a pre-norm layer's
+      first projection fed the residual stream and the norm's gain. Not inside
+      ``shard_map``.
   """
 
   recipe: Recipe = Recipe()
   amax_axes: Sequence[str] = ()
   lhs_activation: str | None = None
+  lhs_norm: Any = None
 
   @nn.compact
   def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
@@ -124,8 +133,8 @@ class Fp8DotGeneral(nn.Module):
     out = _chained(self, lambda lhs, rhs, dn, meta: dot.fp8_dot_general_chained(
         lhs, rhs, dn, meta, self.recipe, preferred_element_type=preferred_element_type,
         amax_axes=tuple(self.amax_axes), weight_cast=cast, lhs_activation=self.lhs_activation,
-        weight_shardings=shardings, keep_gathered_weight=keep), lhs, rhs, dimension_numbers,
-        activation=self.lhs_activation)
+        weight_shardings=shardings, keep_gathered_weight=keep, lhs_norm=self.lhs_norm), lhs,
+        rhs, dimension_numbers, activation=self.lhs_activation, norm=self.lhs_norm)
     if out_sharding is not None:
       out = jax.lax.with_sharding_constraint(out, out_sharding)
     return out
@@ -183,7 +192,7 @@ def dense_mlp_reason(module: nn.Module, x, names: tuple[str, str] = ("fc_in", "f
 
 
 def dense_mlp(module: nn.Module, x, recipe: Recipe, activation: str = "gelu", dtype=None,
-              names: tuple[str, str] = ("fc_in", "fc_out")):
+              names: tuple[str, str] = ("fc_in", "fc_out"), norm=None):
   """``Dense(names[1])(activate(Dense(names[0])(x)))`` of `module`'s two bias-free ``nn.Dense``
   children with :class:`Fp8DotGeneral` GEMMs (with a gated `activation` such as "swiglu" the
   first is an ``nn.DenseGeneral((F, 2))``: (gate, up) pairs), run as one
@@ -195,8 +204,10 @@ def dense_mlp(module: nn.Module, x, recipe: Recipe, activation: str = "gelu", dt
 
   Must run inside `module`'s compact ``__call__``. Args: x [..., D]; `recipe`: the Dense layers'
   recipe; `activation`: as for ``fp8_mlp_chained``; `dtype`: the Dense layers' compute dtype
-  (inputs and kernels are promoted to it, as nn.Dense does; None: as they are). Returns
-  y [..., N]. Raises ValueError where :func:`dense_mlp_reason` says it cannot run.
+  (inputs and kernels are promoted to it, as nn.Dense does; None: as they are); `norm`:
+  None, or ``(gain [D], eps)``: the first layer's input is ``rms_norm(x, gain, eps)`` (the
+  Dense layers then have ``lhs_norm``; ``fp8_mlp_chained``'s `norm`). Returns y [..., N].
+  Raises ValueError where :func:`dense_mlp_reason` says it cannot run.
   """
   reason = dense_mlp_reason(module, x, names, activation)
   if reason:
@@ -210,7 +221,7 @@ def dense_mlp(module: nn.Module, x, recipe: Recipe, activation: str = "gelu", dt
   m_in, m_out = (chain.get(path, meta) for path, meta in zip(paths, metas))
   y, chain[paths[0]], chain[paths[1]] = dot.fp8_mlp_chained(
       x, w_in, w_out, m_in, m_out, recipe, activation, weight_cast_in=wc_in,
-      weight_cast_out=wc_out)
+      weight_cast_out=wc_out, norm=norm)
   return y
 
 

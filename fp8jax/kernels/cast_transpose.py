@@ -17,6 +17,11 @@ the gradient ``activation_grad(x, activation_input)`` instead, x being the cotan
 activated tensor: an MLP's activation derivative applied inside the cast of the gradient that
 flows into its first GEMM.
 
+With ``norm=(rstd, gain)`` the kernel casts RMSNorm's output ``rms_norm_apply(x, rstd,
+gain)`` (x's rows scaled by rstd f32[B?, M], the statistic :func:`rms_norm_rstd` computes
+outside, and its columns by gain f32[K], in f32, rounded to x's dtype): a pre-norm layer's
+norm inside the cast of the next GEMM's input, so the normed tensor is never stored.
+
 ``activation="swiglu"`` is gated: x[.., 2F] holds (gate, up) pairs interleaved along its last
 axis (column 2f the gate of hidden unit f, 2f + 1 its up value: an ``nn.DenseGeneral((F, 2))``
 output flattened), and ``silu(gate) * up`` [.., F] is what the kernel casts; with
@@ -123,6 +128,26 @@ def activation_grad(dy: jax.Array, x: jax.Array, activation: str | None) -> jax.
   return jax.vjp(lambda v: activate(v, activation), x)[1](dy.astype(x.dtype))[0]
 
 
+def rms_norm_rstd(x: jax.Array, eps: float) -> jax.Array:
+  """f32[...]: RMSNorm's ``rsqrt(mean(x^2) + eps)`` of each row of x[..., K] (f32 math)."""
+  x = x.astype(jnp.float32)
+  return jax.lax.rsqrt(jnp.mean(jax.lax.square(x), axis=-1) + jnp.float32(eps))
+
+
+def rms_norm_apply(x: jax.Array, rstd: jax.Array, gain: jax.Array) -> jax.Array:
+  """``x * (rstd * gain)`` in f32, rounded to x's dtype: x[..., K], rstd f32[...] (one per
+  row), gain [K]; flax's ``nn.RMSNorm`` (f32 math) once rstd is :func:`rms_norm_rstd`'s."""
+  mul = rstd.astype(jnp.float32)[..., None] * gain.astype(jnp.float32)
+  return (x.astype(jnp.float32) * mul).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, gain: jax.Array, eps: float) -> jax.Array:
+  """RMSNorm of x[..., K] with gain [K] and epsilon `eps`, computed in f32 and rounded to x's
+  dtype: the values of ``nn.RMSNorm(epsilon=eps, dtype=float32)`` on x in f32, rounded."""
+  x32 = x.astype(jnp.float32)  # one conversion: its cotangent is rounded once, as flax's
+  return rms_norm_apply(x32, rms_norm_rstd(x32, eps), gain).astype(x.dtype)
+
+
 @contextlib.contextmanager
 def interpret_anywhere(on: bool = True):
   """While active (at trace time), :func:`kernel_reason` allows the kernel on any backend, run
@@ -140,20 +165,25 @@ def interpreting_anywhere() -> bool:
   return _INTERPRET_ANYWHERE
 
 
-def cast_operand(x, activation: str | None = None, activation_input=None):
+def cast_operand(x, activation: str | None = None, activation_input=None, norm=None):
   """What the cast casts: x, ``activate(x)``, or with `activation_input` the gradient
-  ``activation_grad(x, activation_input)`` (x: the cotangent of the activated tensor)."""
+  ``activation_grad(x, activation_input)`` (x: the cotangent of the activated tensor); with
+  ``norm=(rstd, gain)`` (no activation) :func:`rms_norm_apply` of x."""
+  if norm is not None:
+    if activation is not None or activation_input is not None:
+      raise ValueError("norm is applied alone (no activation or activation_input with it)")
+    return rms_norm_apply(x, *norm)
   if activation_input is None:
     return activate(x, activation)
   return activation_grad(x, activation_input, activation)
 
 
 def cast_transpose_reference(x: jax.Array, scale: jax.Array, fmt, activation: str | None = None,
-                             activation_input: jax.Array | None = None):
+                             activation_input: jax.Array | None = None, norm=None):
   """(q, q_t, amax) computed by plain XLA ops: scaling.quantize, a transpose of its result
-  (XLA may fuse it into a second cast) and scaling.compute_amax (of ``activate(x)``, or with
-  `activation_input` of ``activation_grad(x, activation_input)``)."""
-  x = cast_operand(x, activation, activation_input)
+  (XLA may fuse it into a second cast) and scaling.compute_amax (of :func:`cast_operand`'s
+  tensor: ``activate(x)``, the activation's gradient, or RMSNorm's output)."""
+  x = cast_operand(x, activation, activation_input, norm)
   q = scaling.quantize(x, scale, fmt)
   return q, jnp.swapaxes(q, -1, -2), scaling.compute_amax(x)
 
@@ -191,25 +221,37 @@ def _prologue_in_kernel(x: jax.Array, activation: str | None, activation_input,
 
 
 def _clip_keeping_nan(y: jax.Array, bound: float) -> jax.Array:
-  """y clipped to [-bound, bound], NaN kept. Triton lowers min/max to minnum/maxnum (NaN
-  dropped), so NaN is put back explicitly, as XLA keeps it (NaN payload and sign bits may differ
-  from XLA's: compare NaN positions, not bits)."""
-  return jnp.where(jnp.isnan(y), jnp.float32(jnp.nan), jnp.minimum(jnp.maximum(y, -bound), bound))
+  """y clipped to [-bound, bound], NaN kept. Two selects on comparisons, which are false for
+  NaN: Triton lowers min/max to minnum/maxnum, which would drop NaN, as XLA does not (NaN
+  payload and sign bits may differ from XLA's: compare NaN positions, not bits)."""
+  b = jnp.float32(bound)
+  return jnp.where(y > b, b, jnp.where(y < -b, -b, y))
 
 
-def _tile_amax(x: jax.Array) -> jax.Array:
-  """max |x| of a tile, NaN when any element is NaN."""
-  a = jnp.abs(x)
-  has_nan = jnp.max(jnp.where(jnp.isnan(a), 1.0, 0.0))
-  return jnp.where(has_nan > 0, jnp.float32(jnp.nan), jnp.max(a))
+def _abs_bits(x: jax.Array) -> jax.Array:
+  """int32 bits of |x| (f32): ordered as the values are, every NaN above +inf."""
+  return jax.lax.bitwise_and(jax.lax.bitcast_convert_type(x, jnp.int32), jnp.int32(0x7FFFFFFF))
+
+
+def _tile_amax(*xs: jax.Array) -> jax.Array:
+  """max |x| over the f32 tiles `xs`, NaN when any element is NaN: one integer max of the
+  magnitudes' bits (a float max would drop NaN on the GPU, see :func:`_clip_keeping_nan`)."""
+  bits = functools.reduce(jnp.maximum, [jnp.max(_abs_bits(x)) for x in xs])
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def _kernel(inv_ref, x_ref, *refs, bound: float, activation: str | None, approx: bool,
-            with_input: bool):
+            with_input: bool, with_norm: bool):
   act_in = refs[0][...] if with_input else None  # the activation's input (gradient casts)
-  q_ref, qt_ref, amax_ref = refs[1:] if with_input else refs
+  refs = refs[1:] if with_input else refs
+  if with_norm:  # RMSNorm: the rows' rstd [block_m] and the gain's columns [block_k]
+    x = rms_norm_apply(x_ref[...], refs[0][...], refs[1][...])
+    refs = refs[2:]
+  else:
+    x = _prologue_in_kernel(x_ref[...], activation, act_in, approx)
+  q_ref, qt_ref, amax_ref = refs
   inv = inv_ref[...]  # f32[]: 1 / scale, computed by XLA exactly as scaling.quantize does
-  x = _prologue_in_kernel(x_ref[...], activation, act_in, approx).astype(jnp.float32)
+  x = x.astype(jnp.float32)
   c = _clip_keeping_nan(x * inv, bound)
   q_ref[...] = c.astype(q_ref.dtype)
   qt_ref[...] = c.T.astype(qt_ref.dtype)  # transpose in f32, then cast (no 8-bit shuffles)
@@ -267,9 +309,7 @@ def _swiglu_grad_kernel(inv_ref, dy_ref, words_ref, q_ref, qt_ref, amax_ref, *, 
   rows = pl.ds(j * block_k, block_k)
   qt_ref[b, rows, pl.ds(i * block_m, block_m)] = c_gate.T.astype(fmt)
   qt_ref[b, rows, pl.ds(m + i * block_m, block_m)] = c_up.T.astype(fmt)
-  a_gate, a_up = _tile_amax(d_gate), _tile_amax(d_up)
-  amax_ref[...] = jnp.where(jnp.isnan(a_gate) | jnp.isnan(a_up), jnp.float32(jnp.nan),
-                            jnp.maximum(a_gate, a_up))
+  amax_ref[...] = _tile_amax(d_gate, d_up)
 
 
 def _check(x, fmt):
@@ -289,9 +329,10 @@ def cast_transpose_amax(x: jax.Array, scale: jax.Array, fmt, *, interpret: bool 
                         block_m: int | None = None, block_k: int = BLOCK_K,
                         num_warps: int = NUM_WARPS, num_stages: int | None = None,
                         activation: str | None = None,
-                        activation_input: jax.Array | None = None):
+                        activation_input: jax.Array | None = None, norm=None):
   """The Pallas kernel: x[B?, M, K], scale f32[] -> (q[B?, M, K], q_t[B?, K, M], amax f32[])
-  of x, or of ``activate(x, activation)``, or with `activation_input` of the gradient
+  of x, or of ``rms_norm_apply(x, *norm)`` (``norm=(rstd f32[B?, M], gain [K])``), or of
+  ``activate(x, activation)``, or with `activation_input` of the gradient
   ``activation_grad(x, activation_input, activation)`` (x is then the cotangent of the
   activated tensor; rounded to activation_input's dtype; q, q_t shaped like
   activation_input). A gated activation ("swiglu") takes bf16 pairs x[B?, M, 2F] to
@@ -309,6 +350,8 @@ def cast_transpose_amax(x: jax.Array, scale: jax.Array, fmt, *, interpret: bool 
   _check(x, fmt)
   check_activation(activation)
   fmt = np.dtype(fmt).type
+  if norm is not None and (activation is not None or activation_input is not None):
+    raise ValueError("cast_transpose_amax: norm is applied alone (no activation with it)")
   block_m = block_m or (GATED_BLOCK_M if activation in GATED else BLOCK_M)
   if activation in GATED:
     return _gated_cast(x, scale, fmt, interpret, block_m, block_k, num_warps, num_stages,
@@ -322,7 +365,7 @@ def cast_transpose_amax(x: jax.Array, scale: jax.Array, fmt, *, interpret: bool 
   inv = (1.0 / jnp.asarray(scale, jnp.float32)).reshape(1)  # as scaling.quantize computes it
   with_input = activation_input is not None
   tile = pl.BlockSpec((None, block_m, block_k), lambda i, j, l: (i, j, l))
-  inputs = (inv, x3)
+  inputs, specs = (inv, x3), [pl.BlockSpec((None,), lambda i, j, l: (0,)), tile]
   if with_input:
     if activation is None or activation_input.shape != x.shape:
       raise ValueError(f"cast_transpose_amax: activation_input needs an activation and x's "
@@ -330,13 +373,23 @@ def cast_transpose_amax(x: jax.Array, scale: jax.Array, fmt, *, interpret: bool 
                        f"{activation_input.shape}")
     _check(activation_input, fmt)
     inputs += (activation_input if x.ndim == 3 else activation_input[None],)
+    specs.append(tile)
+  if norm is not None:
+    rstd, gain = norm
+    if rstd.shape != x.shape[:-1] or gain.shape != (k,):
+      raise ValueError(f"cast_transpose_amax: norm=(rstd, gain) must be shaped "
+                       f"{list(x.shape[:-1])} and [{k}] for x{list(x.shape)}, got "
+                       f"{list(rstd.shape)} and {list(gain.shape)}")
+    inputs += (jnp.asarray(rstd, jnp.float32).reshape(b, m), jnp.asarray(gain, jnp.float32))
+    specs += [pl.BlockSpec((None, block_m), lambda i, j, l: (i, j)),
+              pl.BlockSpec((block_k,), lambda i, j, l: (l,))]
   q, qt, partial = pl.pallas_call(
       functools.partial(_kernel, bound=scaling.fp8_max(fmt), activation=activation,
-                        approx=not interpret, with_input=with_input),
+                        approx=not interpret, with_input=with_input, with_norm=norm is not None),
       out_shape=(jax.ShapeDtypeStruct((b, m, k), fmt), jax.ShapeDtypeStruct((b, k, m), fmt),
                  jax.ShapeDtypeStruct((b, gm, gk), jnp.float32)),
       grid=(b, gm, gk),
-      in_specs=[pl.BlockSpec((None,), lambda i, j, l: (0,))] + [tile] * (len(inputs) - 1),
+      in_specs=specs,
       out_specs=(pl.BlockSpec((None, block_m, block_k), lambda i, j, l: (i, j, l)),
                  pl.BlockSpec((None, block_k, block_m), lambda i, j, l: (i, l, j)),
                  pl.BlockSpec((None, None, None), lambda i, j, l: (i, j, l))),

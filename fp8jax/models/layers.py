@@ -42,7 +42,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from fp8jax import FP8_COLLECTION, Recipe, fsdp
-from fp8jax.dot import GEMM_OUTPUT_NAME, INPUT_CAST_NAME, WEIGHT_CAST_NAME
+from fp8jax.dot import GEMM_OUTPUT_NAME, INPUT_CAST_NAME, WEIGHT_CAST_NAME, lhs_norm_reason
 from fp8jax.hardware import DeviceReport, cudnn_attention_head_dim, local_report
 from fp8jax.kernels.cast_transpose import activate
 from fp8jax.linen import (HEALTH_COLLECTION, PERTURBATIONS, WEIGHT_CAST_COLLECTION,
@@ -206,14 +206,15 @@ def _attention_bwd(implementation, vjp, g):
 causal_attention_saving_residuals.defvjp(_attention_fwd, _attention_bwd)
 
 
-def dense_kwargs(config, recipe: Recipe | None, std: float) -> dict:
+def dense_kwargs(config, recipe: Recipe | None, std: float, norm=None) -> dict:
   """Common nn.Dense/DenseGeneral arguments: dtypes, init N(0, std), the GEMM (FP8 with a
-  recipe; both gather a ZeRO-3 weight at use)."""
+  recipe; both gather a ZeRO-3 weight at use); `norm` (with a recipe): the GEMM's
+  ``lhs_norm`` (:func:`norm_in_cast`)."""
   kw = dict(use_bias=False, dtype=jnp.dtype(config.dtype),
             param_dtype=jnp.dtype(config.param_dtype),
             kernel_init=nn.initializers.normal(std))
   kw["dot_general_cls"] = DotGeneral if recipe is None else functools.partial(
-      Fp8DotGeneral, recipe=recipe)
+      Fp8DotGeneral, recipe=recipe, lhs_norm=norm)
   return kw
 
 
@@ -252,6 +253,31 @@ def norm(config, name: str, gather: bool = False):
   layer gathers it)."""
   layer = norm_module(config, gather, name=name)
   return lambda x: layer(x.astype(jnp.float32)).astype(jnp.dtype(config.dtype))
+
+
+class _NormGain(nn.Module):
+  """The gain ("scale" [features]) of the ``nn.RMSNorm`` of the same name, not applied."""
+
+  features: int
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self):
+    return self.param("scale", nn.initializers.ones, (self.features,), self.param_dtype)
+
+
+def norm_in_cast(module: nn.Module, config, recipe: Recipe | None, name: str, x):
+  """``(gain, eps)`` of `module`'s RMSNorm child `name` when the GEMMs it feeds normalize x
+  inside their FP8 input cast (``fp8jax.linen.Fp8DotGeneral(lhs_norm=...)``: on GPUs the
+  normed tensor is never stored): FP8 GEMMs, ``config.norm == "rmsnorm"``, x in the compute
+  dtype, not while initializing (the norm creates its gain), no ZeRO-3 gathering, not inside
+  ``shard_map``. Else None: call :func:`norm` first. Same values either way."""
+  if (recipe is None or config.norm != "rmsnorm" or module.is_initializing()
+      or fsdp.active() is not None or x.dtype != jnp.dtype(config.dtype)
+      or lhs_norm_reason(x) is not None):
+    return None
+  gain = _NormGain(x.shape[-1], jnp.dtype(config.param_dtype), name=name)()
+  return gain, float(config.norm_eps)
 
 
 def rope_frequencies(head_dim: int, base: float) -> np.ndarray:
@@ -305,7 +331,9 @@ class Attention(nn.Module):
   recipe: Recipe | None
 
   @nn.compact
-  def __call__(self, x, cos, sin):
+  def __call__(self, x, cos, sin, norm=None):
+    """`norm`: None, or :func:`norm_in_cast`'s (gain, eps): x is then the norm's input,
+    normalized inside the qkv GEMM's FP8 input cast."""
     cfg = self.config
     h, kv, k_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     g = h // kv
@@ -313,7 +341,7 @@ class Attention(nn.Module):
     # Key/value heads first, so a tensor-parallel split of them is a contiguous block of the
     # GEMM's output columns (fp8jax.parallel.tensor).
     qkv = saveable(nn.DenseGeneral((kv, g + 2, k_dim), name="qkv",
-                                   **dense_kwargs(cfg, self.recipe, std))(
+                                   **dense_kwargs(cfg, self.recipe, std, norm))(
                                        saveable_input(x, self.recipe)))  # [B, T, KV, G+2, K]
     # One split: its gradient is one concatenation (three indexings would give three padded
     # copies summed). Query head h = key/value head h // G, as dot_product_attention groups.
@@ -346,23 +374,27 @@ class MLP(nn.Module):
   recipe: Recipe | None
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, norm=None):
+    """`norm`: None, or :func:`norm_in_cast`'s (gain, eps): x is then the norm's input,
+    normalized inside the first GEMM's FP8 input cast."""
     cfg = self.config
     std = cfg.d_model ** -0.5
     out_std = cfg.d_ff ** -0.5 / np.sqrt(2 * cfg.n_layers)
     out_kw = dense_kwargs(cfg, self.recipe, out_std)
+    in_kw = dense_kwargs(cfg, self.recipe, std, norm)
     fused_gelu = cfg.mlp == "gelu" and self.recipe is not None and fuses_gelu(cfg)
     if fused_gelu and dense_mlp_reason(self, x) is None:
       # Both GEMMs as one op on the Dense layers' variables: GELU inside the hidden state's
       # FP8 cast, its derivative inside the cast of the gradient entering fc_in.
-      return saveable(dense_mlp(self, x, self.recipe, "gelu", jnp.dtype(cfg.dtype)))
+      return saveable(dense_mlp(self, x, self.recipe, "gelu", jnp.dtype(cfg.dtype),
+                                norm=norm))
     swiglu_names = ("fc_gate_in", "fc_out")
     if (cfg.mlp == "swiglu" and self.recipe is not None
         and dense_mlp_reason(self, x, swiglu_names, "swiglu") is None):
       return saveable(dense_mlp(self, x, self.recipe, "swiglu", jnp.dtype(cfg.dtype),
-                                swiglu_names))
+                                swiglu_names, norm))
     if cfg.mlp == "gelu":
-      h = saveable(nn.Dense(cfg.d_ff, name="fc_in", **dense_kwargs(cfg, self.recipe, std))(
+      h = saveable(nn.Dense(cfg.d_ff, name="fc_in", **in_kw)(
           saveable_input(x, self.recipe)))
       if fused_gelu:  # GELU inside the FP8 cast
         out_kw["dot_general_cls"] = functools.partial(Fp8DotGeneral, recipe=self.recipe,
@@ -370,8 +402,7 @@ class MLP(nn.Module):
       else:
         h = nn.gelu(h)
     else:  # gate and up projections fused into one GEMM: [B, T, F, 2] (F first: see qkv)
-      gu = saveable(nn.DenseGeneral((cfg.d_ff, 2), name="fc_gate_in",
-                                    **dense_kwargs(cfg, self.recipe, std))(
+      gu = saveable(nn.DenseGeneral((cfg.d_ff, 2), name="fc_gate_in", **in_kw)(
                                         saveable_input(x, self.recipe)))
       h = activate(gu.reshape(*gu.shape[:-2], -1), "swiglu")  # interleaved (gate, up) pairs
     return saveable(nn.Dense(cfg.d_model, name="fc_out", **out_kw)(
@@ -389,9 +420,14 @@ class Block(nn.Module):
   def __call__(self, x, rope):
     cfg = self.config
     drop = nn.Dropout(cfg.dropout_rate, deterministic=self.deterministic)
-    h = Attention(cfg, self.recipe, name="attn")(norm(cfg, "norm_attn")(x), *rope)
+    # Each norm inside its GEMMs' FP8 input cast where it can be, else before them.
+    fused = norm_in_cast(self, cfg, self.recipe, "norm_attn", x)
+    attn = Attention(cfg, self.recipe, name="attn")
+    h = attn(x, *rope, norm=fused) if fused else attn(norm(cfg, "norm_attn")(x), *rope)
     x = x + drop(h)
-    h = MLP(cfg, self.recipe, name="mlp")(norm(cfg, "norm_mlp")(x))
+    fused = norm_in_cast(self, cfg, self.recipe, "norm_mlp", x)
+    mlp = MLP(cfg, self.recipe, name="mlp")
+    h = mlp(x, norm=fused) if fused else mlp(norm(cfg, "norm_mlp")(x))
     return x + drop(h), None
 
 

@@ -79,6 +79,11 @@ def test_nan_and_inf_never_vanish(key, fmt):
   assert np.isnan(float(out[2]))
   assert np.isnan(np.asarray(out[0], np.float32)).sum() == 1
   assert np.isnan(np.asarray(out[1], np.float32)[100, int(rows[2])])
+  # A NaN with its sign bit set (the amax takes the magnitudes' bits) is NaN too.
+  neg_nan = jax.lax.bitcast_convert_type(jnp.uint16(0xFFC1), jnp.bfloat16)
+  out = ct.cast_transpose_amax(x_inf.at[rows[2], 100].set(neg_nan), scale, fmt, interpret=True,
+                               block_m=64, block_k=64)
+  assert np.isnan(float(out[2])) and np.isnan(np.asarray(out[0], np.float32)).sum() == 1
 
 
 def test_dispatch_and_bad_input():
