@@ -70,8 +70,8 @@ def test_calibrated_casts_do_not_wait_for_their_own_amax(calibrated):
   kx, kw, kg, km = jax.random.split(jax.random.key(1), 4)
   x, w = jax.random.normal(kx, (32, 48)), jax.random.normal(kw, (48, 16))
   meta = _observed_meta(km, recipe)
-  fwd = jax.make_jaxpr(lambda x, w, m: dot._fp8_matmul_fwd(x, w, m, None, cfg))(x, w, meta)
-  (y, _), res = dot._fp8_matmul_fwd(x, w, meta, None, cfg)
+  fwd = jax.make_jaxpr(lambda x, w, m: dot._fp8_matmul_fwd(x, w, m, None, None, cfg))(x, w, meta)
+  (y, _), res = dot._fp8_matmul_fwd(x, w, meta, None, None, cfg)
   g = jax.random.normal(kg, y.shape)
   bwd = jax.make_jaxpr(lambda res, g: dot._fp8_matmul_bwd(cfg, res, (g, meta)))(res, g)
   for jaxpr, fmt, shape in ((fwd.jaxpr, E4M3, x.shape), (fwd.jaxpr, E4M3, w.shape),
