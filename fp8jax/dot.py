@@ -475,15 +475,7 @@ def _weight_gather(shardings, rhs_shape, dimension_numbers, rperm, vma: frozense
       bool(keep),)
 
 
-def lhs_norm_reason(lhs) -> str | None:
-  """None when ``fp8_dot_general_chained(lhs_norm=...)`` / ``fp8_mlp_chained(norm=...)`` can
-  take `lhs` here, else why not."""
-  if _vma(lhs):
-    return "inside shard_map the norm is applied before the GEMM"
-  return None
-
-
-def _check_lhs_norm(lhs_norm, lhs, dimension_numbers, lhs_activation, meta):
+def _check_lhs_norm(lhs_norm, lhs, dimension_numbers, lhs_activation):
   """(gain, eps) of a valid ``lhs_norm`` (or (None, None) without one); ValueError/TypeError
   saying what is wrong otherwise."""
   if lhs_norm is None:
@@ -507,8 +499,6 @@ def _check_lhs_norm(lhs_norm, lhs, dimension_numbers, lhs_activation, meta):
   if lhs_activation is not None:
     raise ValueError("lhs_norm with lhs_activation is not supported (a norm feeds the GEMM "
                      "directly)")
-  if _vma(lhs) or _vma(gain) or any(_vma(a) for a in jax.tree.leaves(meta)):
-    raise ValueError(f"lhs_norm is not supported here: {lhs_norm_reason(lhs) or 'inside shard_map'}")
   return gain, float(eps)
 
 
@@ -548,10 +538,11 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
       f32, rounded to lhs's dtype; gain [K] over lhs's last axis, which must be its one
       contracting axis) instead of lhs; with ``Recipe.fused_cast_transpose`` the fused kernel
       normalizes while casting, so the normed tensor is never stored. lhs and gain get their
-      gradients through the norm. Not with `lhs_activation`, not inside ``shard_map``.
+      gradients through the norm (inside ``shard_map``, lhs's last axis must be whole on
+      each device). Not with `lhs_activation`.
   """
   ct.check_activation(lhs_activation)
-  gain, norm_eps = _check_lhs_norm(lhs_norm, lhs, dimension_numbers, lhs_activation, meta)
+  gain, norm_eps = _check_lhs_norm(lhs_norm, lhs, dimension_numbers, lhs_activation)
   if lhs_activation in ct.GATED:
     raise ValueError(f"lhs_activation={lhs_activation!r} is gated (it halves the lhs's last "
                      "axis); fp8_mlp_chained runs it between an MLP's two GEMMs")
@@ -580,6 +571,8 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
   w = jnp.transpose(rhs, rperm).reshape((b, k, n) if batched else (k, n))
   reason = _native_reason(m, k, n, out_dtype)
   x, w = _agree_on_vma(x, w, amax_axes)
+  if gain is not None:  # inside shard_map: varying like x, so its gradient is summed over them
+    gain = _to_vma(gain, _vma(x))
   meta_vma = frozenset().union(*(_vma(a) for a in jax.tree.leaves(meta)))
   if weight_cast is not None:
     _check_weight_cast(weight_cast, rhs, recipe, _vma(x) | meta_vma)
@@ -725,7 +718,7 @@ def fp8_mlp_chained(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta,
   reason = mlp_op_reason(x, w_in, w_out, meta_in, meta_out)
   if reason:
     raise ValueError(f"fp8_mlp: {reason}; use two fp8_dot_general_chained calls")
-  gain, norm_eps = _check_lhs_norm(norm, x, (((x.ndim - 1,), (0,)), ((), ())), None, meta_in)
+  gain, norm_eps = _check_lhs_norm(norm, x, (((x.ndim - 1,), (0,)), ((), ())), None)
   h_dtype = preferred_element_type or jnp.result_type(x.dtype, w_in.dtype)
   y_dtype = preferred_element_type or jnp.result_type(h_dtype, w_out.dtype)
   lead, d = x.shape[:-1], x.shape[-1]

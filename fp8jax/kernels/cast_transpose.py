@@ -224,13 +224,13 @@ def _clip_keeping_nan(y: jax.Array, bound: float) -> jax.Array:
   """y clipped to [-bound, bound], NaN kept. Two selects on comparisons, which are false for
   NaN: Triton lowers min/max to minnum/maxnum, which would drop NaN, as XLA does not (NaN
   payload and sign bits may differ from XLA's: compare NaN positions, not bits)."""
-  b = jnp.float32(bound)
-  return jnp.where(y > b, b, jnp.where(y < -b, -b, y))
+  # (Compared with the Python float: a NumPy scalar operand fails Triton's lowering.)
+  return jnp.where(y > bound, jnp.float32(bound), jnp.where(y < -bound, jnp.float32(-bound), y))
 
 
 def _abs_bits(x: jax.Array) -> jax.Array:
   """int32 bits of |x| (f32): ordered as the values are, every NaN above +inf."""
-  return jax.lax.bitwise_and(jax.lax.bitcast_convert_type(x, jnp.int32), jnp.int32(0x7FFFFFFF))
+  return jax.lax.bitcast_convert_type(x, jnp.int32) & jnp.int32(0x7FFFFFFF)
 
 
 def _tile_amax(*xs: jax.Array) -> jax.Array:

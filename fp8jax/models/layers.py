@@ -42,7 +42,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from fp8jax import FP8_COLLECTION, Recipe, fsdp
-from fp8jax.dot import GEMM_OUTPUT_NAME, INPUT_CAST_NAME, WEIGHT_CAST_NAME, lhs_norm_reason
+from fp8jax.dot import GEMM_OUTPUT_NAME, INPUT_CAST_NAME, WEIGHT_CAST_NAME
 from fp8jax.hardware import DeviceReport, cudnn_attention_head_dim, local_report
 from fp8jax.kernels.cast_transpose import activate
 from fp8jax.linen import (HEALTH_COLLECTION, PERTURBATIONS, WEIGHT_CAST_COLLECTION,
@@ -270,11 +270,11 @@ def norm_in_cast(module: nn.Module, config, recipe: Recipe | None, name: str, x)
   """``(gain, eps)`` of `module`'s RMSNorm child `name` when the GEMMs it feeds normalize x
   inside their FP8 input cast (``fp8jax.linen.Fp8DotGeneral(lhs_norm=...)``: on GPUs the
   normed tensor is never stored): FP8 GEMMs, ``config.norm == "rmsnorm"``, x in the compute
-  dtype, not while initializing (the norm creates its gain), no ZeRO-3 gathering, not inside
-  ``shard_map``. Else None: call :func:`norm` first. Same values either way."""
+  dtype, not while initializing (the norm creates its gain). Else None: call :func:`norm`
+  first. Same values either way (in bf16 up to XLA keeping a residual sum unrounded where it
+  fuses it into a norm it computes itself)."""
   if (recipe is None or config.norm != "rmsnorm" or module.is_initializing()
-      or fsdp.active() is not None or x.dtype != jnp.dtype(config.dtype)
-      or lhs_norm_reason(x) is not None):
+      or x.dtype != jnp.dtype(config.dtype)):
     return None
   gain = _NormGain(x.shape[-1], jnp.dtype(config.param_dtype), name=name)()
   return gain, float(config.norm_eps)
