@@ -1,8 +1,9 @@
 """RMSNorm inside the FP8 cast of the next GEMM's input: fp8jax.kernels.cast_transpose.rms_norm
-against flax's nn.RMSNorm (the same ops: values and gradients equal up to a rare rounding) and float64; the cast kernel with
-``norm=(rstd, gain)`` (Pallas interpreter on CPU) against its XLA reference;
-fp8_dot_general_chained(lhs_norm=...) and fp8_mlp_chained(norm=...) against the norm applied
-before the same FP8 GEMMs; the decoders normalizing inside the cast in every layer."""
+against flax's nn.RMSNorm (the same ops: values and gradients equal up to a rare rounding) and
+float64; the cast kernel with ``norm=(rstd, gain)`` (Pallas interpreter on CPU) against its
+XLA reference; fp8_dot_general_chained(lhs_norm=...) and fp8_mlp_chained(norm=...) against the
+norm applied before the same FP8 GEMMs; the decoders normalizing inside the cast in every
+layer."""
 import functools
 
 import flax.linen as nn
