@@ -201,17 +201,14 @@ def test_norm_cast_kernel_compiles_and_matches_xla():
   assert 5e-3 < rel(q32) <= 1.02 * rel(rq32), (rel(q32), rel(rq32))
 
 
-def test_gpt_with_norm_inside_the_cast_compiles_to_the_same_kernels():
-  """GPT (RMSNorm) on one GPU normalizing inside its GEMMs' casts: its gradient compiles to the
-  same cuBLASLt FP8 GEMMs and as many cast kernels as with the norms applied first (the norm
-  moves into two of them per layer), and the gradients agree with that path's to within
-  FP8's run-to-run spread."""
+def _gpt_two_ways(cfg, switch: str, off):
+  """(FP8 GEMM calls, Triton kernel calls, loss gradients) of the GPT `cfg` on one GPU at O1
+  with the fused cast kernel, first as it runs, then with ``fp8jax.models.layers.<switch>``
+  replaced by `off` (the path the switch would otherwise skip)."""
   from fp8jax.bench.timing import custom_calls
   from fp8jax.models import layers
-  from fp8jax.models.gpt import GPT, ModelConfig
+  from fp8jax.models.gpt import GPT
   from fp8jax.train.step import next_token_loss
-  cfg = ModelConfig(vocab_size=256, d_model=1024, n_layers=2, n_heads=8, d_ff=4096,
-                    max_seq_len=512, scan_layers=False, remat=False)
   model = GPT(cfg, fp8jax.opt_level("O1").recipe.replace(fused_cast_transpose=True))
   seed = np.random.randint(1 << 30)
   print("seed", seed)
@@ -223,19 +220,38 @@ def test_gpt_with_norm_inside_the_cast_compiles_to_the_same_kernels():
     calls = custom_calls(grad.lower(variables).compile().as_text())
     return (calls.get(FP8_GEMM, 0), sum(n for t, n in calls.items() if "triton" in t),
             grad(variables))
-  gemms, kernels, g_in = compiled()
-  norm_in_cast = layers.norm_in_cast
+  first = compiled()
+  on = getattr(layers, switch)
   try:
-    layers.norm_in_cast = lambda *a, **k: None
-    gemms_b, kernels_b, g_before = compiled()
+    setattr(layers, switch, off)
+    return first, compiled()
   finally:
-    layers.norm_in_cast = norm_in_cast
+    setattr(layers, switch, on)
+
+
+def _assert_grads_close(grads, ref, tol: float = 5e-2) -> None:
+  """Every parameter's gradient within `tol` (relative) of ref's. Two FP8 programs fused
+  differently flip FP8 roundings along the whole step: one seed gave an embedding gradient
+  2.7% apart; a layout or scaling error moves a gradient by O(1)."""
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(grads["params"])[0],
+                          jax.tree.leaves(ref["params"]), strict=True):
+    err = _rel(a, np.asarray(b, np.float32).astype(np.float64))
+    assert err < tol, (jax.tree_util.keystr(path), err)
+
+
+def test_gpt_with_norm_inside_the_cast_compiles_to_the_same_kernels():
+  """GPT (RMSNorm) on one GPU normalizing inside its GEMMs' casts: its gradient compiles to the
+  same cuBLASLt FP8 GEMMs and as many cast kernels as with the norms applied first (the norm
+  moves into two of them per layer), and the gradients agree with that path's to within
+  FP8's run-to-run spread."""
+  from fp8jax.models.gpt import ModelConfig
+  cfg = ModelConfig(vocab_size=256, d_model=1024, n_layers=2, n_heads=8, d_ff=4096,
+                    max_seq_len=512, scan_layers=False, remat=False)
+  (gemms, kernels, g_in), (gemms_b, kernels_b, g_before) = _gpt_two_ways(
+      cfg, "norm_in_cast", lambda *a, **k: None)
   assert gemms == gemms_b >= 24 and kernels == kernels_b >= 16, (gemms, gemms_b, kernels,
                                                                   kernels_b)
-  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g_in["params"])[0],
-                          jax.tree.leaves(g_before["params"])):
-    err = _rel(a, np.asarray(b, np.float32).astype(np.float64))
-    assert err < 5e-2, (jax.tree_util.keystr(path), err)
+  _assert_grads_close(g_in, g_before)
 
 
 @pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
@@ -245,40 +261,14 @@ def test_gpt_mlp_as_one_op_compiles_to_fp8_gemms_and_cast_kernels(mlp):
   same number of fused cast kernels as the two-Dense path (the activation and its derivative
   move into two of them), and the gradients agree with that path's to within FP8's
   run-to-run spread."""
-  from fp8jax.bench.timing import custom_calls
-  from fp8jax.models import layers
-  from fp8jax.models.gpt import GPT, ModelConfig
-  from fp8jax.train.step import next_token_loss
+  from fp8jax.models.gpt import ModelConfig
   cfg = ModelConfig(vocab_size=256, d_model=1024, n_layers=1, n_heads=8, d_ff=4096,
                     max_seq_len=512, scan_layers=False, remat=False, mlp=mlp)
-  model = GPT(cfg, fp8jax.opt_level("O1").recipe.replace(fused_cast_transpose=True))
-  seed = np.random.randint(1 << 30)
-  print("seed", seed)
-  tokens = jax.random.randint(jax.random.key(seed), (8, 513), 0, 256)
-  variables = model.init(jax.random.key(seed + 1), tokens[:, :-1])
-
-  def compiled():
-    grad = jax.jit(jax.grad(lambda v: next_token_loss(model.apply, v, tokens)))
-    hlo = grad.lower(variables).compile().as_text()
-    calls = custom_calls(hlo)
-    return (calls.get(FP8_GEMM, 0), sum(n for t, n in calls.items() if "triton" in t),
-            grad(variables))
-  gemms, kernels, g_op = compiled()
-  reason = layers.dense_mlp_reason
-  try:
-    layers.dense_mlp_reason = lambda *a, **k: "the two-Dense path, for comparison"
-    gemms_d, kernels_d, g_dense = compiled()
-  finally:
-    layers.dense_mlp_reason = reason
+  (gemms, kernels, g_op), (gemms_d, kernels_d, g_dense) = _gpt_two_ways(
+      cfg, "dense_mlp_reason", lambda *a, **k: "the two-Dense path, for comparison")
   assert gemms == gemms_d >= 12 and kernels == kernels_d >= 8, (gemms, gemms_d, kernels,
                                                                   kernels_d)
-  # Two FP8 programs fused differently flip FP8 roundings along the whole step (see the test
-  # below): one seed gave the embedding's gradient 2.7% apart. A layout or scaling error
-  # moves a gradient by O(1).
-  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(g_op["params"])[0],
-                          jax.tree.leaves(g_dense["params"])):
-    err = _rel(a, np.asarray(b, np.float32).astype(np.float64))
-    assert err < 5e-2, (jax.tree_util.keystr(path), err)
+  _assert_grads_close(g_op, g_dense)
 
 
 def test_saved_gemm_outputs_with_cudnn_attention_skip_its_forward():
