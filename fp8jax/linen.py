@@ -112,8 +112,7 @@ class Fp8DotGeneral(nn.Module):
       pre-activation.
     lhs_norm: None, or ``(gain [K], eps)``: the GEMM multiplies RMSNorm(lhs) (normalized
       inside the FP8 cast, ``fp8_dot_general_chained``'s `lhs_norm`); e.g. a pre-norm layer's
-      first projection fed the residual stream and the norm's gain. Not inside
-      ``shard_map``.
+      first projection fed the residual stream and the norm's gain.
   """
 
   recipe: Recipe = Recipe()
