@@ -605,9 +605,9 @@ class DecoderParts:
 def unstack_layers(stacked, n_layers: int) -> tuple:
   """The n_layers layer slices of stacked variables (leaves [L, ...] -> L trees of [...]).
 
-  Gradient: the layers' gradients written into one [L, ...] buffer (one in-place copy each,
-  :func:`stack_layers`), behind an optimization barrier: without it XLA sums L zero-padded
-  layer gradients and fuses the consumers' reductions (the gradient norm) into that sum."""
+  Gradient: the layers' gradients stacked into one buffer (one copy each), behind an
+  optimization barrier: without it XLA sums L zero-padded layer gradients and fuses the
+  consumers' reductions (the gradient norm) into that sum, which ran 21 ms per 1.3B step."""
   return tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n_layers))
 
 
@@ -615,26 +615,11 @@ def _unstack_fwd(stacked, n_layers):
   return unstack_layers(stacked, n_layers), None
 
 
-def stack_layers(*xs: jax.Array) -> jax.Array:
-  """``jnp.stack(xs)`` (L arrays [...] -> [L, ...]) as L in-place updates of one buffer.
-
-  Same values. XLA runs a concatenation of more than four operands as one loop whose every
-  element selects its operand, well below the memory bandwidth; each update here is a plain
-  copy into its slice. The copies start once every x exists (an optimization barrier over
-  them, as a concatenation would wait): a chain of updates alone lets the scheduler move an
-  x's producer next to its update, keeping that producer's inputs alive meanwhile."""
-  xs = lax.optimization_barrier(xs)
-  out = jnp.zeros((len(xs),) + xs[0].shape, xs[0].dtype)
-  for i, x in enumerate(xs):
-    out = lax.dynamic_update_index_in_dim(out, x, i, 0)
-  return out
-
-
 def _unstack_bwd(n_layers, _, grads):
   def stack(*g):
     if g[0].dtype == jax.dtypes.float0:  # integer variables: no gradient
       return np.zeros((n_layers,) + g[0].shape, jax.dtypes.float0)
-    return stack_layers(*g)
+    return jnp.stack(g)
   return (lax.optimization_barrier(jax.tree.map(stack, *grads)),)
 
 
