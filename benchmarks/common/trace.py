@@ -1,4 +1,5 @@
-"""GPU kernel time from ``jax.profiler`` traces: kernels by name and category."""
+"""GPU kernel time from ``jax.profiler`` traces: kernels by name and category, and the time the
+GPU sat idle between them."""
 from __future__ import annotations
 
 import collections
@@ -8,6 +9,7 @@ import json
 import os
 import re
 import tempfile
+from typing import NamedTuple
 
 import jax
 
@@ -28,9 +30,16 @@ def category(name: str) -> str:
   return next(c for c, rx in CATEGORIES if rx.search(name))
 
 
-def gpu_kernels(trace_path: str) -> list[tuple[str, float, dict]]:
-  """(kernel name, duration in us, event args) of every event on a GPU device in a Perfetto
-  trace (``perfetto_trace.json.gz``)."""
+class Kernel(NamedTuple):
+  """One GPU event of a trace: its name, duration (us), event args and start (us, trace clock)."""
+  name: str
+  us: float
+  args: dict
+  start: float
+
+
+def gpu_kernels(trace_path: str) -> list[Kernel]:
+  """Every event on a GPU device in a Perfetto trace (``perfetto_trace.json.gz``)."""
   with gzip.open(trace_path, "rt") as f:
     trace = json.load(f)
   events = trace["traceEvents"] if isinstance(trace, dict) else trace
@@ -39,7 +48,7 @@ def gpu_kernels(trace_path: str) -> list[tuple[str, float, dict]]:
   gpu = {pid for pid, n in names.items() if "GPU" in n or "gpu" in n}
   if not gpu:
     print(f"no GPU process in the trace; processes: {sorted(set(names.values()))}")
-  return [(e["name"], float(e["dur"]), e.get("args", {})) for e in events
+  return [Kernel(e["name"], float(e["dur"]), e.get("args", {}), float(e["ts"])) for e in events
           if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e]
 
 
@@ -65,21 +74,41 @@ def traced_kernels(fn, calls: int, trace_dir: str | None = None):
 
 def kernel_ms(kernels, calls: int) -> float:
   """Summed GPU kernel time per call, ms."""
-  return sum(us for _, us, _ in kernels) / calls / 1e3
+  return sum(k.us for k in kernels) / calls / 1e3
+
+
+def busy_and_span_us(kernels) -> tuple[float, float]:
+  """(busy, span) in us: the time at least one kernel ran (kernels overlapping on several
+  streams count once) and the time from the first kernel's start to the last one's end.
+  span - busy is the time the GPU sat idle between the traced kernels."""
+  if not kernels:
+    return 0.0, 0.0
+  busy, run_start, run_end = 0.0, None, None
+  for k in sorted(kernels, key=lambda k: k.start):
+    if run_end is None or k.start > run_end:
+      busy += 0.0 if run_end is None else run_end - run_start
+      run_start, run_end = k.start, k.start + k.us
+    else:
+      run_end = max(run_end, k.start + k.us)
+  busy += run_end - run_start
+  return busy, run_end - min(k.start for k in kernels)
 
 
 def summarize(kernels, steps: int, top: int = 25) -> None:
-  """Prints kernel time per step by category, the `top` kernels and device copies by HLO op."""
+  """Prints kernel time per step (and the GPU's busy time, span and idle time per step) by
+  category, the `top` kernels and device copies by HLO op."""
   by_cat, by_name, calls = collections.Counter(), collections.Counter(), collections.Counter()
   copies = []
-  for name, us, args in kernels:
+  for name, us, args, _ in kernels:
     by_cat[category(name)] += us
     by_name[name] += us
     calls[name] += 1
     if "memcpy" in name.lower():
       copies.append((us, args))
   total = sum(by_cat.values())
-  print(f"\nGPU kernel time per step: {total / steps / 1e3:.2f} ms")
+  busy, span = busy_and_span_us(kernels)
+  print(f"\nGPU kernel time per step: {total / steps / 1e3:.2f} ms (busy {busy / steps / 1e3:.2f} "
+        f"of a {span / steps / 1e3:.2f} ms span: idle {(span - busy) / steps / 1e3:.2f} ms)")
   for c, us in by_cat.most_common():
     print(f"  {c:16s} {us / steps / 1e3:9.2f} ms  {100 * us / total:5.1f}%")
   print(f"\ntop {top} kernels (ms per step, calls per step):")

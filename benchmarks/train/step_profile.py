@@ -8,7 +8,9 @@ run the uncalibrated model, see fp8.calibrate), then records `--steps` steps wit
 ``jax.profiler.trace`` (Perfetto JSON) and sums the GPU kernels' durations per step: GEMMs
 (cuBLAS/cuBLASLt), attention (cuDNN), collectives, the fused FP8 cast kernels and XLA fusions
 split by name (convert = casts, reduce = amax and norms). Prints ms per step per category, the
-top kernels and device copies by HLO op, so a change can be judged by which category moved.
+GPU's idle time per step (the traced steps' span less the time any kernel ran: waits on the
+host), the top kernels and device copies by HLO op, so a change can be judged by which
+category moved.
 ``--dump-hlo`` writes the compiled steady (calibrated) step.
 """
 from __future__ import annotations
