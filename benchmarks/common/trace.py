@@ -83,15 +83,15 @@ def busy_and_span_us(kernels) -> tuple[float, float]:
   span - busy is the time the GPU sat idle between the traced kernels."""
   if not kernels:
     return 0.0, 0.0
-  busy, run_start, run_end = 0.0, None, None
-  for k in sorted(kernels, key=lambda k: k.start):
-    if run_end is None or k.start > run_end:
-      busy += 0.0 if run_end is None else run_end - run_start
+  first, *rest = sorted(kernels, key=lambda k: k.start)
+  busy, run_start, run_end = 0.0, first.start, first.start + first.us  # the current busy run
+  for k in rest:
+    if k.start > run_end:  # a gap: close the run
+      busy += run_end - run_start
       run_start, run_end = k.start, k.start + k.us
     else:
       run_end = max(run_end, k.start + k.us)
-  busy += run_end - run_start
-  return busy, run_end - min(k.start for k in kernels)
+  return busy + run_end - run_start, run_end - first.start
 
 
 def summarize(kernels, steps: int, top: int = 25) -> None:
