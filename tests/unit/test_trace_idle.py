@@ -12,8 +12,8 @@ from benchmarks.common import trace  # noqa: E402
 
 
 def test_busy_and_span_against_a_timeline():
-  """Random kernels on two streams (overlapping, nested, back to back and apart) against a
-  unit-resolution timeline of the same integer intervals."""
+  """Random kernels (overlapping as on several streams, nested, back to back and apart)
+  against a unit-resolution timeline of the same integer intervals."""
   rng = np.random.default_rng()
   for _ in range(20):
     n = int(rng.integers(1, 30))
