@@ -25,16 +25,22 @@ jax.config.update("jax_num_cpu_devices", 8)
 # without remat, which holds with XLA's default code generation, not at level 0) and
 # execution-heavy notebooks run in a child process with XLA's default flags.
 _FAST_CODEGEN_FLAG = "--xla_backend_optimization_level=0"
-FAST_CODEGEN = (shutil.which("nvidia-smi") is None
-                and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")
-                and not os.environ.get("FP8JAX_TEST_DEFAULT_CODEGEN"))
-if FAST_CODEGEN:
+# Set when this file added the flag, so pytest-xdist's workers (which inherit the session's
+# environment) tell it from a level the user chose.
+_FAST_CODEGEN_ENV = "FP8JAX_TEST_FAST_CODEGEN"
+FAST_CODEGEN = os.environ.get(_FAST_CODEGEN_ENV) == "1" or (
+    shutil.which("nvidia-smi") is None
+    and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")
+    and not os.environ.get("FP8JAX_TEST_DEFAULT_CODEGEN"))
+if FAST_CODEGEN and os.environ.get(_FAST_CODEGEN_ENV) != "1":
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_CODEGEN_FLAG).strip()
+  os.environ[_FAST_CODEGEN_ENV] = "1"
 
 
 def default_codegen_env() -> dict:
   """``os.environ`` for a child process that compiles with XLA's default code generation."""
   env = dict(os.environ, FP8JAX_TEST_DEFAULT_CODEGEN="1")
+  env.pop(_FAST_CODEGEN_ENV, None)
   if not FAST_CODEGEN:  # the flags are the user's (or a GPU machine's): left as they are
     return env
   flags = env.get("XLA_FLAGS", "").replace(_FAST_CODEGEN_FLAG, "").strip()
@@ -60,8 +66,9 @@ def pytest_pyfunc_call(pyfuncitem):
   return True
 
 
-# One compilation cache for the session, shared with the subprocesses tests start (workers
-# under jax.distributed, the CLI): tests build many programs whose HLO is identical (the same
+# One compilation cache for the session, shared with pytest-xdist's workers (`-n 2`: they
+# inherit this process's environment) and the subprocesses tests start (workers under
+# jax.distributed, the CLI): tests build many programs whose HLO is identical (the same
 # tiny model's step in several tests and processes), and XLA compiles each once. A cache the
 # user set (JAX_COMPILATION_CACHE_DIR) is used as it is; otherwise a fresh folder, deleted
 # at the end of the session, so nothing carries over between sessions.
