@@ -1,6 +1,6 @@
 """Fused FP8 cast+transpose+amax kernel vs XLA's passes, and its effect on an MLP block (GPU).
 
-  source benchmarks/gpu_env.sh && python benchmarks/gemm/cast_kernel.py
+  source benchmarks/gpu_env.sh && python benchmarks/gemm/cast_kernel.py [--parts a,b,c]
 
 (a) x[M, K] bf16 -> (q, q_t, amax) in E4M3: the Pallas kernel (several tilings) vs the XLA
     reference (compute_amax + quantize + transposed copy), checked bit-equal on the device;
@@ -8,10 +8,15 @@
 (b) MLP block forward+backward (``fp8jax.bench.mlp``'s block) with Recipe.fused_cast_transpose
     False vs True: median ms, ratio, number of Triton (Pallas) and cuBLASLt FP8 calls, and
     the largest relative difference of the gradients between the two.
-Each part runs under try/except, so one failure still prints the rest.
+(c) The kernel against copy ceilings at the same bytes (x[M, K] bf16 read, 2 bytes written
+    per element): a device memcpy (``jnp.copy``), XLA's elementwise ``x + 1`` and transpose,
+    the shipped kernel (plain and with GELU inside), and the same kernel with zeros stored in
+    place of the transposed copy (what the transpose itself costs); three rounds, ms each.
+Each part runs under try/except, so one failure still prints the rest; ``--parts a,c`` picks.
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import sys
@@ -75,6 +80,64 @@ def part_a():
       print(f"{m}x{k}: FAILED\n{traceback.format_exc()[-2000:]}", flush=True)
 
 
+def _no_transpose_kernel(block_m: int, block_k: int, num_warps: int):
+  """x[M, K] -> (q, zeros[K, M], amax): the shipped kernel's loads, math and stores, with the
+  transposed copy's tile stored as zeros (same bytes written, no transposition)."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plt
+  from fp8jax import scaling
+
+  def kernel(inv_ref, x_ref, q_ref, qt_ref, amax_ref):
+    x = x_ref[...].astype(jnp.float32)
+    q_ref[...] = ct._clip_keeping_nan(x * inv_ref[...], scaling.fp8_max(FMT)).astype(FMT)
+    qt_ref[...] = jnp.zeros(qt_ref.shape, FMT)
+    amax_ref[...] = ct._tile_amax(x)
+
+  @jax.jit
+  def fn(x, scale):
+    m, k = x.shape
+    q, qt, partial = pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((m, k), FMT), jax.ShapeDtypeStruct((k, m), FMT),
+                   jax.ShapeDtypeStruct((m // block_m, k // block_k), jnp.float32)),
+        grid=(m // block_m, k // block_k),
+        in_specs=[pl.BlockSpec((None,), lambda i, j: (0,)),
+                  pl.BlockSpec((block_m, block_k), lambda i, j: (i, j))],
+        out_specs=(pl.BlockSpec((block_m, block_k), lambda i, j: (i, j)),
+                   pl.BlockSpec((block_k, block_m), lambda i, j: (j, i)),
+                   pl.BlockSpec((None, None), lambda i, j: (i, j))),
+        compiler_params=plt.CompilerParams(num_warps=num_warps))((1.0 / scale).reshape(1), x)
+    return q, qt, jnp.max(partial)
+  return fn
+
+
+def part_c():
+  print("\n(c) the kernel against copy ceilings (ms per call, three rounds; GB/s of the best at "
+        "4 bytes/element)")
+  for m, k in SHAPES[:2]:
+    x = jax.random.normal(jax.random.key(m + k), (m, k), jnp.float32).astype(jnp.bfloat16)
+    scale = jnp.float32(4.0 / 448.0)
+    gb = 4.0 * m * k / 1e9
+    fns = {
+        "memcpy (jnp.copy)": (jax.jit(jnp.copy), (x,)),
+        "XLA x + 1": (jax.jit(lambda v: v + jnp.bfloat16(1)), (x,)),
+        "XLA transpose": (jax.jit(lambda v: jnp.swapaxes(v, 0, 1)), (x,)),
+        "kernel": (jax.jit(functools.partial(ct.cast_transpose_amax, fmt=FMT)), (x, scale)),
+        "kernel, GELU inside": (jax.jit(functools.partial(
+            ct.cast_transpose_amax, fmt=FMT, activation="gelu")), (x, scale)),
+        "kernel, zeros for q_t": (_no_transpose_kernel(ct.BLOCK_M, ct.BLOCK_K, ct.NUM_WARPS),
+                                  (x, scale)),
+    }
+    times = {name: [] for name in fns}
+    for _ in range(3):  # rounds interleave the variants: drift shows as spread, not as bias
+      for name, (fn, args) in fns.items():
+        times[name].append(ms_per_call(fn, args))
+    print(f"{m:6d}x{k}")
+    for name, ts in times.items():
+      print(f"  {name:24s} {' '.join(f'{t:.4f}' for t in ts)}  {gb / min(ts) * 1e3:6.0f}",
+            flush=True)
+
+
 def part_b():
   from fp8jax.linen import Fp8DotGeneral
   print("\n(b) MLP block fwd+bwd, Recipe.fused_cast_transpose False vs True")
@@ -112,10 +175,16 @@ def part_b():
 
 
 def main():
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--parts", default="a,b,c", help="comma-separated parts to run (a, b, c)")
+  parts = {"a": part_a, "b": part_b, "c": part_c}
+  chosen = parser.parse_args().parts.split(",")
+  if unknown := [p for p in chosen if p not in parts]:
+    parser.error(f"unknown parts {unknown}; choose from {sorted(parts)}")
   print(f"devices: {[dv.device_kind for dv in jax.devices()]}  jax {jax.__version__}  "
         f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
   t0 = time.perf_counter()
-  for part in (part_a, part_b):
+  for part in (parts[p] for p in chosen):
     try:
       part()
     except Exception:  # noqa: BLE001
