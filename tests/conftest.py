@@ -28,11 +28,12 @@ _FAST_CODEGEN_FLAG = "--xla_backend_optimization_level=0"
 # Set when this file added the flag, so pytest-xdist's workers (which inherit the session's
 # environment) tell it from a level the user chose.
 _FAST_CODEGEN_ENV = "FP8JAX_TEST_FAST_CODEGEN"
-FAST_CODEGEN = os.environ.get(_FAST_CODEGEN_ENV) == "1" or (
+_FLAG_INHERITED = os.environ.get(_FAST_CODEGEN_ENV) == "1"
+FAST_CODEGEN = _FLAG_INHERITED or (
     shutil.which("nvidia-smi") is None
     and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")
     and not os.environ.get("FP8JAX_TEST_DEFAULT_CODEGEN"))
-if FAST_CODEGEN and os.environ.get(_FAST_CODEGEN_ENV) != "1":
+if FAST_CODEGEN and not _FLAG_INHERITED:
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_CODEGEN_FLAG).strip()
   os.environ[_FAST_CODEGEN_ENV] = "1"
 
