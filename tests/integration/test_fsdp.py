@@ -64,9 +64,10 @@ def gathers_by_loop(hlo: str) -> dict[int | None, list[tuple[str, tuple[int, ...
 def test_o0_zero3_gathers_bf16_weights_per_layer_and_matches_one_device():
   """BF16 GEMMs (O0): ZeRO-3 gathers each layer's kernels in the compute dtype (BF16 bits,
   exact: the layers cast them to it anyway) inside the layer loop, the gradients come back
-  summed in f32: one device's math in another order. Over 20 seeds the update differs by
-  3.1e-2 at most (Adam's first steps are nearly sign(g): BF16 sums in another order flip
-  elements near zero), the first loss by 4.3e-5 relative, the last by 1.1e-4."""
+  summed in f32: one device's math in another order. Over 201 seeds the update differs by
+  4.2e-2 at most (Adam's first steps are nearly sign(g): BF16 sums in another order flip
+  elements near zero), the first loss by 1.0e-4 relative (3e-5 or more in 5 seeds), the last
+  by 2.7e-4."""
   level = opt_level("O0")
   cfg = ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=16)
   model, tx, init = _setup(cfg, level)
@@ -90,7 +91,7 @@ def test_o0_zero3_gathers_bf16_weights_per_layer_and_matches_one_device():
   got = _flat(parallel.to_host(state.model_params()))
   assert np.isfinite(got).all() and np.linalg.norm(ref - p0) > 0
   assert _rel(got - p0, ref - p0) < 0.1, _rel(got - p0, ref - p0)
-  assert abs(losses[0] - ref_losses[0]) < 2e-4 * ref_losses[0]
+  assert abs(losses[0] - ref_losses[0]) < 5e-4 * ref_losses[0]
   assert abs(losses[-1] - ref_losses[-1]) < 1e-3 * ref_losses[-1]
   loops = gathers_by_loop(compiled.as_text())
   d, f = cfg.d_model, cfg.d_ff
