@@ -49,7 +49,7 @@ def test_tensor_x_data_parallel_matches_one_device():
   """O1 (FP8 GEMMs, f32 master) with SGD + momentum, 2 steps: data 4 x
   tensor 2 with ZeRO-1 under LLAMA_RULES against one device. Same math in another summation
   order; an amax differing in its last bit can move a delayed scale and some E4M3 roundings:
-  over 45 seeds the update differed by 0.013..0.038 relative, the last loss by <= 1.1e-3."""
+  over 301 seeds the update differed by 0.006..0.050 relative, the last loss by <= 1.4e-3."""
   seed = int(os.environ.get("FP8JAX_TEST_SEED", np.random.SeedSequence().entropy % (1 << 31)))
   print(f"seed {seed}")
   level = opt_level("O1")
