@@ -73,7 +73,7 @@ def tp_runs():
     for b in data:
       state, m = step(state, b)
       losses.append(float(m["loss"]))
-    out[name] = (_flat(parallel.to_host(state.model_params())), losses, state, plan)
+    out[name] = (_flat(parallel.to_host(state.model_params())), losses, state)
   return out
 
 
@@ -92,7 +92,7 @@ def _check_matches_one_device(tp_runs, name: str) -> None:
   tensor's may stay within it: tests/unit/test_sharding.py (amaxes over the data axes) and
   test_weight_gather.py (a ZeRO-3 weight's FP8 state, bit for bit) check scales directly."""
   p0, (ref, ref_losses), (exact, _) = tp_runs["init"], tp_runs["ref"], tp_runs["exact"]
-  got, losses, _, _ = tp_runs[name]
+  got, losses, _ = tp_runs[name]
   assert np.isfinite(got).all() and np.linalg.norm(ref - p0) > 0
   err, fp8_err = _rel(got - p0, ref - p0), _rel(ref - p0, exact - p0)
   print(f"{name}: update error {err:.2e} (FP8's own: {fp8_err:.2e}), first loss relative "
