@@ -30,12 +30,17 @@ def accumulator_zeros(tree):
   return jax.tree.map(lambda x: jnp.zeros_like(widen(x)), tree)
 
 
-def accumulate_gradients(acc, grads):
-  """acc + grads for gradients, max for FP8 state; `acc=None` starts from `grads`."""
+def accumulate_gradients(acc, grads, where=None):
+  """acc + grads for gradients, max for FP8 state; `acc=None` starts from `grads`.
+  `where`: None, or a bool scalar (possibly traced): `acc` unchanged where it is False (a
+  microbatch slot that did not run)."""
   if acc is None:
     return grads
-  return jax.tree.map(lambda a, g: combine_max(a, g) if _is_fp8(a) else a + g, acc, grads,
-                      is_leaf=_is_fp8)
+  out = jax.tree.map(lambda a, g: combine_max(a, g) if _is_fp8(a) else a + g, acc, grads,
+                     is_leaf=_is_fp8)
+  if where is None:
+    return out
+  return jax.tree.map(lambda n, o: jnp.where(where, n, o), out, acc)
 
 
 def mean_gradients(acc, count: int):

@@ -238,26 +238,32 @@ def sum_into(g, home, dtype):
   return jax.lax.with_sharding_constraint(g.astype(wide), home).astype(dtype)
 
 
-def gather_array(x, home: NamedSharding, full: NamedSharding, *, dtype=None,
-                 scaled: bool = False):
-  """`x` (laid out as `home`) gathered to `full`, with a straight-through gradient
-  reduce-scattered back to `home` in f32 (or `x`'s dtype if wider), then cast to `x`'s.
+def gather_value(x, home, full, *, dtype=None, scaled: bool = False):
+  """`x` (laid out as `home`: a NamedSharding, or a :class:`Local` shard layout) moved to
+  `full` as its raw bits, forwards only (no gradient rule; :func:`gather_array` adds one).
 
   `dtype`: None (`x` crosses as it is), or a float dtype: with `scaled` it crosses as that
-  payload with a power-of-two f32 scale and is read back in `x`'s dtype; without, `x` is cast
-  to it and the result has that dtype. A GEMM that multiplies the result keeps it for its
-  backward: gather GEMM weights with :func:`gathered_dot_general` instead.
+  payload with a power-of-two f32 scale (one scale for every shard) and is read back in
+  `x`'s dtype; without, `x` is cast to it and the result has that dtype.
   """
   move = lambda p: constrain_bits(constrain_bits(p, home), full)
+  if dtype is None or np.dtype(dtype) == np.dtype(x.dtype):
+    return move(x)
+  if not scaled:
+    return move(x.astype(dtype))
+  agree = home.axes if isinstance(home, Local) else ()  # one scale for every shard
+  q = quantize_scaled(x, dtype, power_of_two=True, axis_names=agree)
+  return (move(q.data).astype(jnp.float32) * q.scale).astype(x.dtype)
 
-  def value(x):
-    if dtype is None or np.dtype(dtype) == np.dtype(x.dtype):
-      return move(x)
-    if not scaled:
-      return move(x.astype(dtype))
-    agree = home.axes if isinstance(home, Local) else ()  # one scale for every shard
-    q = quantize_scaled(x, dtype, power_of_two=True, axis_names=agree)
-    return (move(q.data).astype(jnp.float32) * q.scale).astype(x.dtype)
+
+def gather_array(x, home: NamedSharding, full: NamedSharding, *, dtype=None,
+                 scaled: bool = False):
+  """`x` (laid out as `home`) gathered to `full` (:func:`gather_value`), with a
+  straight-through gradient reduce-scattered back to `home` in f32 (or `x`'s dtype if
+  wider), then cast to `x`'s. A GEMM that multiplies the result keeps it for its backward:
+  gather GEMM weights with :func:`gathered_dot_general` instead.
+  """
+  value = lambda x: gather_value(x, home, full, dtype=dtype, scaled=scaled)
 
   @jax.custom_vjp
   def gather(x):

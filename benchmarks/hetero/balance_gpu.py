@@ -4,7 +4,7 @@
       --total 8 --repeats 1,0 [--set model.attention_impl=cudnn] [--out FILE.json]
 
 All local GPUs as data-parallel groups; `repeats` extra forward+backward passes per
-microbatch slow chosen GPUs down (GPU 0 at half speed with 1,0: the step's slowdown hook,
+microbatch slow chosen GPUs down (GPU 0 at half speed with 1,0: ``benchmarks.common.slowdown``,
 data rather than code, so every GPU runs the same program). Measures single-group splits (the
 per-group seconds per microbatch and the fixed cost of reduction + update), then the uniform
 and the balanced split of --total microbatches, and prints the prediction
@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.common.slowdown import slowed_apply  # noqa: E402
 from fp8jax.config import load_config  # noqa: E402
 from fp8jax.parallel import balance, layout, make_mesh  # noqa: E402
 from fp8jax.train.build import model_and_optimizer  # noqa: E402
@@ -51,11 +52,11 @@ def balance_run(args) -> dict:
                          layout.replicated(mesh))
   sharding = layout.batch_sharding(mesh)
   put = lambda x: layout.put_global(np.asarray(x), sharding)
-  # The per-group step: (state, batch, counts, repeats); `repeats` is its slowdown hook.
-  step = jax.jit(make_train_step(model.apply, tx, args.total, groups=GroupLoop(mesh)))
   repeats = [int(r) for r in args.repeats.split(",")]
   assert len(repeats) == groups, f"--repeats needs {groups} values"
-  slow = put(np.asarray(repeats, np.int32))
+  loop = GroupLoop(mesh)
+  step = jax.jit(make_train_step(slowed_apply(model.apply, repeats, loop.axes), tx, args.total,
+                                 groups=loop))
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, config.model.vocab_size,
                         (args.total * args.microbatch, d.seq_len + 1), dtype=np.int32)
@@ -63,7 +64,7 @@ def balance_run(args) -> dict:
   def measure(counts) -> float:
     rows = tokens[:sum(counts) * args.microbatch]
     return _timed(step, state, put(layout.layout_counts(rows, counts, args.microbatch)),
-                  put(np.asarray(counts, np.int32)), slow, steps=args.steps)
+                  put(np.asarray(counts, np.int32)), steps=args.steps)
 
   one = lambda g, n: tuple(n if i == g else 0 for i in range(groups))
   single = {g: (measure(one(g, 1)), measure(one(g, 2))) for g in range(groups)}

@@ -442,8 +442,7 @@ class Decoder(nn.Module):
   """
 
   # Under an active fp8jax.fsdp.WeightGather (ZeRO-3) it gathers every sharded parameter
-  # where it uses it (fp8jax.train.step.build_step(gathers_at_use=...)).
-  gathers_at_use: ClassVar[bool] = True
+  # where it uses it (the uniform loop); the per-group loop runs its parts() layer-major.
   layer_stacks: ClassVar[tuple[str, ...]] = ("layers",)  # scanned: stacked along dimension 0
   config: Any
   recipe: Recipe | None = None
@@ -557,6 +556,16 @@ class DecoderParts:
   """
 
   model: Decoder
+
+  @property
+  def recipe(self) -> Recipe | None:
+    """The FP8 recipe of the model's GEMMs (None: BF16)."""
+    return self.model.recipe
+
+  @property
+  def compute_dtype(self):
+    """The dtype the model computes its GEMMs in."""
+    return jnp.dtype(self.model.config.dtype)
 
   def split(self, variables) -> tuple[dict, dict]:
     """(stacked, shared) of `variables`."""

@@ -317,7 +317,7 @@ class StepCache:
           growth_interval=c.grad_comm_growth_interval(), fused_update=self.fused_update,
           cast_weights=weight_cast_fn(c, model, microbatches),
           matrix_dtype=c.model.dtype if c.model.builder is None else None,
-          gathers_at_use=getattr(model, "gathers_at_use", False),
+          parts=model.parts() if callable(getattr(model, "parts", None)) else None,
           layer_stacks=getattr(model, "layer_stacks", ()),
           pipeline=pipeline_loop(c, self.plan, model)))
     return self._steps[key][1]

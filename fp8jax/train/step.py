@@ -49,6 +49,7 @@ from fp8jax.accumulate import accumulate_gradients, accumulator_zeros, widen
 from fp8jax.linen import FP8_COLLECTION, apply_fp8_updates
 from fp8jax.optim import MasterWeights, apply_master_updates
 from fp8jax.parallel import grad_comm as grad_comm_lib
+from fp8jax.parallel import layer_major as layer_major_lib
 from fp8jax.parallel import layout
 from fp8jax.parallel import pipeline as pipeline_lib
 from fp8jax.parallel.collectives import CommScaling
@@ -83,15 +84,15 @@ class GroupLoop:
     comm_scaling: "current" or "auto" (FP8-LM automatic scaling from ``state.comm``; needs
       grad_comm "fp8").
     growth_interval: clean steps before "auto" doubles a pre-scale.
-    weight_gather: ZeRO-3's ``fp8jax.fsdp.WeightGather`` (``ZeroPlan.weight_gather``), or
-      None. Only when every group runs the same number of microbatches (its collectives run
-      inside the loop). The parameters then enter the loop as their shards and the model gathers each one
-      where it uses it with explicit collectives (per layer, inside the layer loop); each
-      gradient is reduce-scattered where it is made (FP8 with current scaling under
-      grad_comm "fp8", else f32), so the loop accumulates only shards. Parameters the model
-      does not gather itself must not be split. Not with comm_scaling "auto".
-    layer_stacks: top-level parameter keys holding layer stacks (a scan slices them along
-      dimension 0: such leaves split along dimension 0 enter whole).
+    weight_gather: ZeRO-3's ``fp8jax.fsdp.WeightGather`` (``ZeroPlan.weight_gather``: where
+      each parameter lives), or None (below ZeRO-3: parameters enter the loop whole).
+    parts: with `weight_gather`, the model cut into parts (``model.parts()``,
+      :class:`fp8jax.models.layers.DecoderParts`): the parameters then enter as their shards
+      and the loop runs layer-major (:mod:`fp8jax.parallel.layer_major`: each layer gathered
+      once per step, its gradients reduce-scattered once, whatever each group's count).
+      None: the parameters enter whole (XLA gathers them before the loop).
+    layer_stacks: top-level parameter keys holding layer stacks (leaves [L, ...]; one split
+      along the layer axis enters whole).
   """
 
   mesh: Mesh
@@ -100,30 +101,49 @@ class GroupLoop:
   comm_scaling: str = "current"
   growth_interval: int = 1000
   weight_gather: fsdp.WeightGather | None = None
+  parts: Any = None
   layer_stacks: tuple[str, ...] = ()
 
   def __post_init__(self):
     grad_comm_lib.check_options(self.grad_comm, self.comm_scaling, self.growth_interval)
     object.__setattr__(self, "axes", layout.group_axes(self.mesh, self.axes))
-    if self.weight_gather is not None and self.auto:
+    if self.layer_major and self.auto:
       raise ValueError("comm_scaling='auto' with ZeRO-3's per-layer gradient reduce-scatter "
                        "is not supported (each layer's gradient is reduced inside its "
                        "backward, where no scaling state flows); use comm_scaling 'current'")
 
-  def local_gather(self, params):
-    """(the WeightGather for inside ``shard_map``, the params' in_specs, a tree of bools:
-    gradient reduced at use) for global `params`; (None, P(), None) without
-    `weight_gather`."""
+  @property
+  def layer_major(self) -> bool:
+    """Whether the loop runs layer-major (ZeRO-3 shards in, a model cut into parts)."""
+    return self.weight_gather is not None and self.parts is not None
+
+  def layout(self, params):
+    """(the params' ``shard_map`` in_specs, dims, reduced) for global `params`: dims a tree
+    like `params` of the dimension each leaf enters split along (None: whole), reduced a
+    tree of bools (True: its gradient comes out of the loop summed over the groups, in its
+    home layout); (P(), None, None) unless :attr:`layer_major`."""
+    if not self.layer_major:
+      return P(), None, None
     wg = self.weight_gather
-    if wg is None:
-      return None, P(), None
     home = jax.tree_util.tree_map_with_path(
         lambda path, x: wg.specs(jax.tree_util.keystr(path), np.shape(x))[0], params)
     table, specs = fsdp.local_table(params, home, self.axes, dict(self.mesh.shape),
                                     tuple(self.layer_stacks))
-    reduce = grad_comm_lib.fp8_sum_into if self.grad_comm == "fp8" else None
-    reduced = jax.tree.map(lambda s: s != P(), specs, is_leaf=lambda x: isinstance(x, P))
-    return dataclasses.replace(wg, local=table, reduce=reduce), specs, reduced
+    entries = dict(table)
+    dims = jax.tree_util.tree_map_with_path(
+        lambda path, _: (lambda e: None if e is None else e[0])(
+            entries[jax.tree_util.keystr(path)][1]), params)
+    reduced = jax.tree.map(lambda d: d is not None, dims, is_leaf=lambda x: x is None)
+    return specs, dims, reduced
+
+  def gathering(self) -> layer_major_lib.Gathering:
+    """How the layer-major loop gathers and reduces (:attr:`parts`' recipe and compute
+    dtype, the plan's payload dtype, FP8 reduce-scatters under grad_comm "fp8")."""
+    return layer_major_lib.Gathering(
+        self.axes, recipe=getattr(self.parts, "recipe", None),
+        matrix_dtype=getattr(self.parts, "compute_dtype", None),
+        payload_dtype=self.weight_gather.payload_dtype,
+        reduce=grad_comm_lib.fp8_sum_into if self.grad_comm == "fp8" else None)
 
   @property
   def groups(self) -> int:
@@ -175,45 +195,50 @@ def _max_over_groups(tree, axes):
                                         for j in range(groups)])
 
 
-def group_microbatches(grad_fn: Callable, loop: GroupLoop, variables, batch, counts, repeats,
-                       comm, reduced=None):
+def group_microbatches(grad_fn: Callable, loop: GroupLoop, variables, batch, counts, comm,
+                       dims=None, reduced=None):
   """One group's loop over its own microbatches, then the one cross-group reduction (call
   inside ``shard_map`` over `loop.axes`).
 
   Args:
     grad_fn: ``(variables, part int32[m, T+1]) -> (loss, grads)``.
-    batch: int32[1, n, m, T+1], this group's slots; counts, repeats: int32[1].
-    repeats: extra forward+backward passes per microbatch whose results are added times zero
-      (a slowdown hook for tests and benchmarks: same program, different data).
+    batch: int32[1, n, m, T+1], this group's slots; counts: int32[1].
     comm: ``CommScaling`` (grad_comm "fp8", comm_scaling "auto") or None.
-    reduced: None, or a tree of bools like the parameters: True where the gradient comes
-      out of `grad_fn` already summed over the groups (ZeRO-3 inside the loop).
+    dims, reduced: :meth:`GroupLoop.layout`'s (layer-major: parameters as their shards), or
+      None: a ``fori_loop`` over the group's microbatches on whole parameters.
   Returns (mean loss, gradients, new comm).
   """
-  batch, count, repeat = batch[0], counts[0], repeats[0]
+  batch, count = batch[0], counts[0]
+  if dims is None:
+    def one(i, carry):
+      loss_sum, acc = carry
+      loss, g = grad_fn(variables, lax.dynamic_index_in_dim(batch, i, keepdims=False))
+      return loss_sum + loss, accumulate_gradients(acc, g)
 
-  def extra_work(part, carry):
-    def again(_, c):
-      shift, acc = c
-      moved = jax.tree.map(lambda v: v + shift.astype(v.dtype), variables)
-      loss, g = grad_fn(moved, part)
-      return 0.0 * loss, jax.tree.map(lambda a, b: a + 0.0 * b.astype(a.dtype), acc, g)
-    return lax.fori_loop(0, repeat, again, (jnp.zeros((), jnp.float32), carry))[1]
-
-  def one(i, carry):
-    loss_sum, acc = carry
-    part = lax.dynamic_index_in_dim(batch, i, keepdims=False)
-    loss, g = grad_fn(variables, part)
-    return loss_sum + loss, extra_work(part, accumulate_gradients(acc, g))
-
-  loss_sum, acc = lax.fori_loop(0, count, one,
-                                (jnp.zeros((), jnp.float32), accumulator_zeros(variables)))
+    loss_sum, acc = lax.fori_loop(0, count, one, (jnp.zeros((), jnp.float32),
+                                                  accumulator_zeros(variables)))
+  else:
+    parts = loop.parts
+    stacked, shared = parts.split(variables)
+    split_dims = tuple(d["params"] for d in parts.split({"params": dims}))
+    loss_sum, g_stacked, g_shared = layer_major_lib.layer_major_grads(
+        stages_of(parts), loop.gathering(), stacked, shared, split_dims, batch, count)
+    acc = parts.merge(g_stacked, g_shared)
   total, loss_sum = lax.psum((count.astype(jnp.float32), loss_sum), loop.axes)
   params, comm = _reduce_rest(acc["params"], reduced, loop, comm)
   params = jax.tree.map(lambda g: g / total.astype(g.dtype), params)
   rest = {k: v for k, v in acc.items() if k != "params"}
   grads = {**(_max_over_groups(rest, loop.axes) if rest else {}), "params": params}
   return loss_sum / total, grads, comm
+
+
+def stages_of(parts) -> pipeline_lib.Stages:
+  """`parts` (:class:`fp8jax.models.layers.DecoderParts`) as the schedules' first / stage /
+  last functions (last: mean next-token loss of a microbatch int32[m, T+1])."""
+  return pipeline_lib.Stages(
+      first=lambda shared, part: parts.embed(shared, part[:, :-1]),
+      stage=parts.layers,
+      last=lambda shared, y, part: cross_entropy(parts.logits(shared, y), part[:, 1:]))
 
 
 def _reduce_rest(grads, reduced, loop: GroupLoop, comm):
@@ -267,13 +292,8 @@ class PipelineLoop:
     return pipe_size(self.mesh)
 
   def stage_fns(self) -> pipeline_lib.Stages:
-    """The model as the schedule's first / stage / last functions (last: mean next-token
-    loss of a microbatch int32[m, T+1])."""
-    parts = self.parts
-    return pipeline_lib.Stages(
-        first=lambda shared, part: parts.embed(shared, part[:, :-1]),
-        stage=parts.layers,
-        last=lambda shared, y, part: cross_entropy(parts.logits(shared, y), part[:, 1:]))
+    """The model as the schedule's first / stage / last functions (:func:`stages_of`)."""
+    return stages_of(self.parts)
 
 
 def pipeline_microbatches(loop: PipelineLoop, variables, batch, microbatches: int):
@@ -309,7 +329,7 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
   Without `groups`: ``step(state, batch int32[B, T+1], count=None) -> (state, metrics)``
   running :func:`scan_microbatches` (`count`: an int32 scalar, the number of the batch's
   `microbatches` parts that run; None: all). With `groups`: ``step(state, batch int32[G, n, m, T+1],
-  counts int32[G], repeats int32[G] | None = None)`` running :func:`group_microbatches` inside
+  counts int32[G])`` running :func:`group_microbatches` inside
   ``shard_map`` (batch and counts sharded over the groups: ``fp8jax.parallel.layout``).
   With `pipeline`: ``step(state, batch int32[B, T+1]) -> (state, metrics)`` running
   :func:`pipeline_microbatches`.
@@ -362,10 +382,10 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
   if pipeline is not None:
     pipeline_lib.check_stages(pipeline.stages, microbatches)
 
-  def grad_fn(variables, part, extra=None, at_use=weight_gather):
+  def grad_fn(variables, part, extra=None):
     def loss_of(v):
       return next_token_loss(apply_fn, {**v, **(extra or {})}, part)
-    with fsdp.gathering(at_use):
+    with fsdp.gathering(weight_gather):
       loss, g = jax.value_and_grad(loss_of)(variables)
     if reduce_gradients is not None:
       g = {**g, "params": reduce_gradients(jax.tree.map(widen, g["params"]))}
@@ -385,9 +405,7 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
       grads = {**grads, "params": jax.tree.map(widen, grads["params"])}
     return apply_gradients(state, tx, grads, loss, fused_update)
 
-  def per_group(state: TrainState, batch, counts, repeats=None):
-    if repeats is None:
-      repeats = jnp.zeros_like(counts)
+  def per_group(state: TrainState, batch, counts):
     variables = state.variables()
     comm = state.comm if groups.auto else None
     if groups.auto:
@@ -396,27 +414,24 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
         raise ValueError(f"comm_scaling='auto' needs state.comm = CommScaling of shape "
                          f"[{want}] (one entry per parameter leaf), got "
                          f"{jax.tree.map(jnp.shape, comm)}; use init_grad_comm_scaling(params)")
-    at_use, param_spec, reduced = groups.local_gather(variables["params"])
+    param_spec, dims, reduced = groups.layout(variables["params"])
     grad_spec: Any = P()
-    if groups.grad_comm == "fp8" or at_use is not None:
+    if groups.grad_comm == "fp8" or dims is not None:
       grad_spec = {k: P() for k in variables}
       grad_spec["params"] = (grad_comm_lib.grad_specs(variables["params"], groups.axes,
                                                       groups.groups)
                              if groups.grad_comm == "fp8" else
                              jax.tree.map(lambda _: P(), variables["params"]))
-    if at_use is not None:  # the leaves reduced at use come out in their home layout
+    if dims is not None:  # the leaves reduced inside the loop come out in their home layout
       grad_spec["params"] = jax.tree.map(lambda s, g, d: s if d else g, param_spec,
                                          grad_spec["params"], reduced,
                                          is_leaf=lambda x: isinstance(x, P))
     var_spec = {k: (param_spec if k == "params" else P()) for k in variables}
     spec = P(groups.axes)
-    local = functools.partial(group_microbatches,
-                              functools.partial(grad_fn, at_use=at_use), groups)
+    local = functools.partial(group_microbatches, grad_fn, groups, dims=dims, reduced=reduced)
     loss, grads, comm = jax.shard_map(
-        lambda *a: local(*a, reduced=reduced), mesh=groups.mesh,
-        in_specs=(var_spec, spec, spec, spec, P()),
-        out_specs=(P(), grad_spec, P()), check_vma=False)(
-        variables, batch, counts, repeats, comm)
+        local, mesh=groups.mesh, in_specs=(var_spec, spec, spec, P()),
+        out_specs=(P(), grad_spec, P()), check_vma=False)(variables, batch, counts, comm)
     new, metrics = apply_gradients(state, tx, grads, loss, fused_update)
     if not groups.auto:
       return new, metrics
@@ -511,7 +526,7 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
                grad_comm: str = "native", comm_scaling: str = "current",
                growth_interval: int = 1000, fused_update: Callable | None = None,
                cast_weights: Callable | None = None, matrix_dtype=None,
-               skip_nonfinite: bool = True, gathers_at_use: bool = True,
+               skip_nonfinite: bool = True, parts=None,
                layer_stacks: Sequence[str] = ("layers",),
                pipeline: PipelineLoop | None = None) -> TrainStep:
   """The jitted step of `plan`'s layout for a step of `microbatches` microbatches.
@@ -527,9 +542,8 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
     microbatch_size: sequences per microbatch (needed with `counts` or `dynamic`).
     skip_nonfinite: wrap the step in ``guards.skip_nonfinite_steps`` (metrics gain
       ``skipped``).
-    gathers_at_use: the model gathers its ZeRO-3 parameters where it uses them under an
-      active ``fp8jax.fsdp.WeightGather`` (the reference families: ``Decoder.gathers_at_use``).
-      False: the per-group loop gets them whole (the uniform loop leaves the rest to XLA).
+    parts: the model cut into parts (``model.parts()``), or None: at ZeRO-3 the per-group
+      loop then runs layer-major (:class:`GroupLoop`), else it gets the parameters whole.
     layer_stacks: see :class:`GroupLoop` (the reference families scan "layers").
     pipeline: the pipeline loop's settings (:class:`PipelineLoop` on the plan's mesh);
       needed when that mesh has pipeline stages, refused otherwise.
@@ -579,15 +593,9 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
     place = lambda batch: (layout.put_global(batch, sharding),)
     batch_shardings = (sharding,)
   elif per_group:
-    # ZeRO-3: a model that gathers its parameters at use does it inside the loop when every
-    # group runs the same count (the loop's collectives then line up across groups); with
-    # per-group counts, or a model that does not, the parameters come whole (XLA gathers
-    # them before the loop)
-    at_use = gathers_at_use and counts is None
     loop = GroupLoop(mesh, grad_comm=grad_comm, comm_scaling=comm_scaling,
-                     growth_interval=growth_interval,
-                     weight_gather=plan.weight_gather() if at_use else None,
-                     layer_stacks=tuple(layer_stacks))
+                     growth_interval=growth_interval, weight_gather=plan.weight_gather(),
+                     parts=parts, layer_stacks=tuple(layer_stacks))
     n = loop.groups
     if counts is not None:
       split = functools.lru_cache(maxsize=None)(

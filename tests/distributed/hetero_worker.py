@@ -8,8 +8,8 @@ benchmarks/hetero/balance_cpu.py); 1 CPU device per process, joined through the 
 * balanced step: COUNTS (e.g. "1,3") microbatches per process on the FP8 test model, one
   SGD(1) step; process 0 writes the new parameters and FP8 state to OUT_DIR/step.npz.
 * timing (TIMING_STEPS > 0): REPEATS (e.g. "2,0") extra forward+backward passes per
-  microbatch slow process 0 down; median step seconds for several splits of 4 microbatches go
-  to OUT_DIR/timing.json (process 0).
+  microbatch slow process 0 down (``benchmarks.common.slowdown``); median step seconds for
+  several splits of 4 microbatches go to OUT_DIR/timing.json (process 0).
 """
 import json
 import os
@@ -31,12 +31,12 @@ from fp8jax.train.step import GroupLoop, make_train_step  # noqa: E402
 FAKE = {0: ("gpu", "NVIDIA A100-SXM4-80GB", "8.0"), 1: ("gpu", "NVIDIA H100 80GB HBM3", "9.0")}
 
 
-def _timed(step, state, batch, counts, repeats, steps: int) -> float:
-  jax.block_until_ready(step(state, batch, counts, repeats))
+def _timed(step, state, batch, counts, steps: int) -> float:
+  jax.block_until_ready(step(state, batch, counts))
   times = []
   for _ in range(steps):
     t0 = time.perf_counter()
-    jax.block_until_ready(step(state, batch, counts, repeats))
+    jax.block_until_ready(step(state, batch, counts))
     times.append(time.perf_counter() - t0)
   return float(np.median(times))
 
@@ -65,16 +65,18 @@ def main(out_dir: str, counts: str, repeats: str, timing_steps: int = 0) -> None
     np.savez(os.path.join(out_dir, "step.npz"),
              *[np.asarray(x) for x in jax.tree.leaves(host)])
   if timing_steps:
-    slow = put(np.asarray([int(r) for r in repeats.split(",")], np.int32))
+    from benchmarks.common.slowdown import slowed_apply
     big_model, big_state, big_batch = th.setup_timing()
-    big = jax.jit(make_train_step(big_model.apply, tx, groups=GroupLoop(mesh)))
+    loop = GroupLoop(mesh)
+    slow = slowed_apply(big_model.apply, [int(r) for r in repeats.split(",")], loop.axes)
+    big = jax.jit(make_train_step(slow, tx, groups=loop))
     results = {}
     for split in ("1,0", "3,0", "0,1", "0,3", "2,2", "1,3"):
       c = [int(x) for x in split.split(",")]
       rows = big_batch[:sum(c) * th.TIMING_MICROBATCH]
       results[split] = _timed(big, big_state,
                               put(layout.layout_counts(rows, c, th.TIMING_MICROBATCH)),
-                              put(np.asarray(c, np.int32)), slow, timing_steps)
+                              put(np.asarray(c, np.int32)), timing_steps)
     if me == 0:
       with open(os.path.join(out_dir, "timing.json"), "w") as f:
         json.dump(results, f)

@@ -106,7 +106,9 @@ def test_o0_zero3_gathers_bf16_weights_per_layer_and_matches_one_device():
 @pytest.fixture(scope="module")
 def o3_programs():
   """The O3 step of 8 layers of 512 x 2048 (weights dominate: a batch of 8 x 8 tokens)
-  compiled for one device and over 8 devices at ZeRO-3."""
+  compiled for one device and over 8 devices at ZeRO-3: the uniform loop; the per-group loop
+  with FP8 gradient reduce-scatters ("fp8"); the per-group loop with balanced counts
+  (1, 3, 0, 2, 0, 0, 1, 1) of microbatches of one sequence ("balanced")."""
   cfg = ModelConfig(vocab_size=256, d_model=512, n_layers=8, n_heads=8, d_ff=2048,
                     max_seq_len=16)
   level = opt_level("O3")
@@ -119,10 +121,15 @@ def o3_programs():
                          level=level)
     built = build_step(model.apply, tx, plan, 1)
     out[n] = built.jitted.lower(abstract, *built.place(batch)).compile()
-    if n == 8:  # the per-group loop with FP8 gradient reduce-scatter (grad_comm fp8)
-      built = build_step(model.apply, tx, plan, 1, grad_comm="fp8", microbatch_size=8)
-      out["fp8"] = built.jitted.lower(abstract, *built.place(batch)).compile()
+  variants = {"fp8": dict(microbatches=1, grad_comm="fp8", microbatch_size=8),
+              "balanced": dict(microbatches=8, counts=lambda k: BALANCED, microbatch_size=1)}
+  for name, kw in variants.items():
+    built = build_step(model.apply, tx, plan, kw.pop("microbatches"), parts=model.parts(), **kw)
+    out[name] = built.jitted.lower(abstract, *built.place(batch)).compile()
   return out
+
+
+BALANCED = (1, 3, 0, 2, 0, 0, 1, 1)
 
 
 def _peak(compiled) -> int:
@@ -177,26 +184,32 @@ def _all_to_alls(text: str) -> list[tuple[str, int]]:
   return out
 
 
+def _layer_major_gathers(program, cfg) -> list[tuple[str, tuple[int, ...]]]:
+  """The kernel-sized all-gathers inside the layer loops of `program` (asserting none
+  gathers a whole stacked kernel or more than one layer's largest kernel)."""
+  loops = gathers_by_loop(program.as_text())
+  d, f = cfg.d_model, cfg.d_ff
+  sizes = {d * 3 * d, d * d, d * f}
+  everywhere = [g for gathers in loops.values() for g in gathers]
+  assert max(int(np.prod(s)) for _, s in everywhere) <= d * f, loops
+  return [(t, s) for t, s in loops.get(cfg.n_layers, ()) if int(np.prod(s)) in sizes]
+
+
 def test_o3_fp8_grad_comm_reduces_each_layer_in_fp8_inside_the_loop(o3_programs):
-  """grad_comm fp8 at ZeRO-3 (the per-group loop in shard_map): each layer's kernels are
-  gathered inside the layer loop (in the compute dtype, BF16 bits: a Flax module checks its
-  kernel's shape, so the shard cannot reach the GEMM), and each kernel gradient leaves the
-  loop body as a 1-byte all-to-all (the FP8 reduce-scatter), none as a float reduce-scatter
-  or all-reduce of a kernel's size; the per-device peak is 1/8 of one device's plus two
-  layers in flight."""
+  """grad_comm fp8 at ZeRO-3 (the per-group loop in shard_map, layer-major): each layer's
+  kernels are all-gathered as E4M3 bytes (u8) inside the layer loop, forward and backward,
+  and each kernel gradient leaves the loop body as a 1-byte all-to-all (the FP8
+  reduce-scatter), none as a float reduce-scatter or all-reduce of a kernel's size; the
+  per-device peak is 1/8 of one device's plus two layers in flight."""
   cfg = o3_programs["config"]
   hlo = o3_programs["fp8"].as_text()
   d, f = cfg.d_model, cfg.d_ff
-  loops = gathers_by_loop(hlo)
-  kernels = {(d, 3 * d), (d, d), (d, f), (f, d)}
-  in_layers = {s for t, s in loops.get(cfg.n_layers, ())
-               if int(np.prod(s)) in {int(np.prod(k)) for k in kernels}}
-  assert len(in_layers) >= len(kernels), loops
-  everywhere = [g for gathers in loops.values() for g in gathers]
-  assert max(int(np.prod(s)) for _, s in everywhere) <= d * f, loops
+  in_layers = _layer_major_gathers(o3_programs["fp8"], cfg)
+  assert {t for t, _ in in_layers} == {"u8"}, in_layers
+  assert len(in_layers) == 2 * 4, in_layers  # 4 kernels, forward and backward
   moved = _all_to_alls(hlo)
   assert moved and {t for t, _ in moved} == {"u8"}, moved
-  assert sum(n for _, n in moved) >= sum(int(np.prod(k)) for k in kernels), moved
+  assert sum(n for _, n in moved) >= 3 * d * d + d * d + 2 * d * f, moved
   float_reduce = re.findall(r"= f32\[([\d,]*)\][^ ]* (?:reduce-scatter|all-reduce)\(", hlo)
   big = [s for s in float_reduce if int(np.prod([int(x) for x in s.split(",") if x])) >= d * d]
   assert not big, big
@@ -204,10 +217,25 @@ def test_o3_fp8_grad_comm_reduces_each_layer_in_fp8_inside_the_loop(o3_programs)
   layer = 3 * d * d + d * d + 2 * d * f
   print(f"peak per device with FP8 grad comm at 8 devices: {fp8 / 2**20:.1f} MiB "
         f"(1 device: {one / 2**20:.1f} MiB)")
-  # Two layers in flight, each: the gathered BF16 kernels (2 bytes per parameter), the f32
+  # Two layers in flight, each: the gathered E4M3 kernels (1 byte per parameter), the f32
   # copy the emulated CPU GEMM multiplies (4) and the layer's f32 gradient before its
-  # reduce-scatter (4). Measured 125.8 MiB (the whole model's BF16 kernels alone: 48 MiB).
-  assert fp8 <= one / 8 + 2 * layer * 10 + 2**20, (one, fp8)
+  # reduce-scatter (4).
+  assert fp8 <= one / 8 + 2 * layer * 9 + 2**20, (one, fp8)
+
+
+def test_o3_balanced_counts_gather_per_layer_not_the_whole_model(o3_programs):
+  """Balanced counts (1, 3, 0, 2, 0, 0, 1, 1) at ZeRO-3 (layer-major): kernels cross as
+  E4M3 bytes of one layer at a time inside the layer loops (forward and backward), no
+  whole stacked kernel is gathered, and the per-device bytes stay <= 0.30 of the one-device
+  step's (gathering the whole model in f32 before the loop: 0.84)."""
+  cfg = o3_programs["config"]
+  in_layers = _layer_major_gathers(o3_programs["balanced"], cfg)
+  assert {t for t, _ in in_layers} == {"u8"}, in_layers
+  assert len(in_layers) == 2 * 4, in_layers
+  one, balanced = _peak(o3_programs[1]), _peak(o3_programs["balanced"])
+  print(f"peak per device, balanced counts at 8 devices: {balanced / 2**20:.1f} MiB "
+        f"({balanced / one:.3f} of one device's {one / 2**20:.1f} MiB)")
+  assert balanced <= 0.30 * one, (one, balanced)
 
 
 def test_weight_gather_arguments_are_checked():
