@@ -107,7 +107,8 @@ def _commands(parser: argparse.ArgumentParser) -> dict:
 
 
 _FENCE = re.compile(r"```.*?```", re.S)
-_CODE = re.compile(r"```.*?```|`[^`\n]+`", re.S)
+# Fenced blocks, and inline code (which may wrap onto the next line, never across a blank one).
+_CODE = re.compile(r"```.*?```|`(?:[^`\n]|\n(?![ \t]*\n))+`", re.S)
 _COMMAND = re.compile(r"(?<![\w.-])fp8jax((?: [a-z][\w-]*)+)")
 
 
