@@ -8,9 +8,13 @@ import argparse
 import os
 import re
 import subprocess
-import tomllib
 
 import pytest
+
+try:
+  import tomllib
+except ImportError:  # Python 3.10
+  tomllib = pytest.importorskip("tomli")
 
 from fp8jax import cli
 
@@ -236,8 +240,8 @@ def test_no_file_cites_anything_outside_the_repository():
   assert "README.md" in files and "pyproject.toml" in files
   for rel in files:
     path = os.path.join(ROOT, rel)
-    if rel.endswith(_BINARY) or not os.path.isfile(path):
-      continue
+    if rel.endswith(_BINARY) or not os.path.isfile(path) or os.path.getsize(path) > 4 << 20:
+      continue  # binaries and large data files cite nothing
     with open(path, "rb") as f:
       text = f.read().decode("utf-8", errors="replace")
     if _OUTSIDE.search(text):
