@@ -19,7 +19,7 @@ own computation; the report lists them.
 The result is, GEMM for GEMM, the hand-wired model: same programs, same FP8 state (in the
 collection :data:`fp8jax.FP8_COLLECTION`, or :class:`fp8jax.nnx.Fp8State` Variables), and
 the parameters' tree (paths, shapes, dtypes) is exactly the unconverted model's, so a
-converted model loads the unconverted model's checkpoints. Train it as the README's
+converted model loads the unconverted model's checkpoints. Train it as docs/models.md's
 "Use it in your own model" shows (``fp8jax.apply_fp8_updates``).
 
 Paths name modules by their names joined with "/": linen scope names ("Block_0/Dense_1",

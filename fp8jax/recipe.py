@@ -122,7 +122,7 @@ class Recipe:
 
 @dataclasses.dataclass(frozen=True)
 class OptLevel:
-  """One MS-AMP optimization level (see DESIGN.md's table).
+  """One MS-AMP optimization level (the level table of docs/architecture.md).
 
   Attributes:
     name: "O0".."O3".

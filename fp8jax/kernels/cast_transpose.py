@@ -50,11 +50,11 @@ import numpy as np
 
 from fp8jax import scaling
 
-BLOCK_M = 64  # rows of x per program (columns of q_t); 64x128 tiles, 4 warps: fastest on an H200
+# Tile sizes (the tile sweeps behind them: benchmarks/RESULTS.md, "Fused FP8
+# cast+transpose+amax kernel" and "SwiGLU inside the FP8 cast kernel").
+BLOCK_M = 64  # rows of x per program (columns of q_t); with BLOCK_K: 64 x 128 tiles, 4 warps
 BLOCK_K = 128  # columns of x per program
-# The gated kernels' rows per program (32 x 128 pairs, 4 warps): on an H200 at
-# [16384, 2 x 11008] the gradient kernel takes 0.64 ms with 32 rows, 0.87 ms with 64.
-GATED_BLOCK_M = 32
+GATED_BLOCK_M = 32  # the gated kernels' rows per program: 32 x 128 (gate, up) pairs, 4 warps
 NUM_WARPS = 4
 _INPUT_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)

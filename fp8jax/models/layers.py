@@ -304,12 +304,14 @@ def apply_rope(x, cos, sin):
 
 
 class Embed(nn.Embed):
-  """``nn.Embed`` whose lookup is a one-hot GEMM for small vocabularies (<= 4096 ids).
+  """``nn.Embed`` whose lookup is a one-hot GEMM for vocabularies of at most
+  `one_hot_max_vocab` ids (4096), a gather above: inputs int[...] -> [..., features] in
+  `dtype`.
 
-  On GPUs the gradient of a gather is a scatter-add, and with a byte-level vocabulary every
-  row collects thousands of tokens' gradients (slow atomics: ~10 ms per 1.3B-config step on
-  an H200); the one-hot product's gradient is one small GEMM. Same parameter ("embedding"),
-  same values.
+  The one-hot product's gradient is one small GEMM instead of a gather's scatter-add, in which
+  every row of a small vocabulary collects thousands of tokens' gradients (atomics on GPUs;
+  the measured cost: benchmarks/RESULTS.md, "First measurements at default settings"). Same
+  parameter ("embedding"), same values.
   """
 
   one_hot_max_vocab: int = 4096
@@ -614,9 +616,11 @@ class DecoderParts:
 def unstack_layers(stacked, n_layers: int) -> tuple:
   """The n_layers layer slices of stacked variables (leaves [L, ...] -> L trees of [...]).
 
-  Gradient: the layers' gradients stacked into one buffer (one copy each), behind an
-  optimization barrier: without it XLA sums L zero-padded layer gradients and fuses the
-  consumers' reductions (the gradient norm) into that sum, which ran 21 ms per 1.3B step."""
+  Gradient: the layers' gradients stacked into one buffer [L, ...] (one copy each), behind an
+  optimization barrier, so XLA cannot turn the stacking into a sum of L zero-padded layer
+  gradients with the consumers' reductions (the gradient norm) fused into it (a slow fusion:
+  benchmarks/RESULTS.md, "Where the step time goes on the best settings"). Integer leaves
+  get float0 zeros."""
   return tuple(jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(n_layers))
 
 

@@ -4,8 +4,8 @@ offload, and ``initialize()`` for multi-host runs.
 * :mod:`fp8jax.parallel.mesh`: :func:`make_mesh` (axes "data", "fsdp", "tensor", led by
   "pipe" with pipeline stages; -1 fills), :func:`mesh_from_config`, :func:`pipe_size`,
   :func:`device_kinds`, :func:`describe`.
-* :mod:`fp8jax.parallel.pipeline`: pipeline parallelism (the GPipe schedule over "pipe",
-  generic over the stage function; the stacked layers split over it).
+* :mod:`fp8jax.parallel.pipeline`: pipeline parallelism (the GPipe and 1F1B schedules over
+  "pipe", generic over the stage function; the stacked layers split over it).
 * :mod:`fp8jax.parallel.zero`: :func:`state_shardings`, :func:`plan` -> :class:`ZeroPlan`
   (where the state lives, how weights are gathered and gradients laid out: stage 3 per use,
   ``ZeroPlan.weight_gather`` and :mod:`fp8jax.fsdp`), :func:`reduce_gradients`.

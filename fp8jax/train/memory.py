@@ -17,15 +17,12 @@ From the config come:
 * the per-group step (``local_grads``) with ``parallel.device_map`` or FP8 gradient
   communication; the fused O2 update as ``train.fused_optimizer`` takes it on GPUs.
 
-The estimate is meant to err high: a wrong estimate should cost a less saving policy, not an
-out-of-memory step. Against the peaks of benchmarks/RESULTS.md on one H200 (jax 0.11.2, cuDNN
-attention, B8 x T2048, one microbatch) it is above by 1-16% at the 1.3B shape (measured: O0
-full 21.0 GiB, O0 saved 33.8, O2 full 12.5, O2 saved 24.8, O2 io 30.1, io B16 50.1, io B32
-90.8), ~1% for the full 7B config with full remat (O0 103.8, O2 67.7), 8% (O0 saved 36.6) and
-37% (O2 io 24.4) at the 7B layer shape (8 layers). Over several GPUs it has erred low: at the
-7B layer shape, 2 sequences per GPU, ZeRO-1 on 4 H200s, by 1% at O3 (17.5 GiB) and 18% at O0
-(25.7); ZeRO-3 on GPUs was measured only before its per-layer gathers existed (on 8 CPU
-devices at O3: within 15%, tests/integration/test_simulate.py).
+The estimates (:func:`step_memory`, :func:`step_bytes`) are bytes per device from an analytic
+count (nothing is compiled). They are meant to err high: a wrong estimate should cost a less
+saving remat policy, not an out-of-memory step. They are not a bound: over several devices
+they can fall below the compiled peak. How they compare with compiled and measured peaks:
+benchmarks/RESULTS.md ("The memory estimate against measured peaks");
+tests/integration/test_simulate.py checks them against compiled steps on CPU devices.
 """
 from __future__ import annotations
 

@@ -326,7 +326,7 @@ def test_level_takes_recipe_from_fp8_section():
 
 
 def test_level_facts():
-  """DESIGN.md's level table, as the OptLevel properties the config asks."""
+  """docs/architecture.md's level table, as the OptLevel properties the config asks."""
   facts = {name: (lvl.fp8_gemms, lvl.scaled_master, lvl.scaled_moments, lvl.fused_update,
                   [lvl.zero_stage_for(z) for z in range(4)]) for name, lvl in LEVELS.items()}
   assert facts == {

@@ -101,7 +101,7 @@ def test_memory_model_by_hand():
 
   def mem(level, stage, **kw):
     return cm.device_memory(SMALL, level, stage, 8, 2, layout=cm.Layout(data=n), a=a, **kw)
-  # O0, stage 0: f32 master + m + v = 12 B/param; with the f32 gradients 16 (DESIGN.md)
+  # O0, stage 0: f32 master + m + v = 12 B/param; with the f32 gradients 16 (docs/architecture.md, Levels)
   o0 = mem("O0", 0)
   assert sum(o0.state.values()) == 12 * p
   assert sum(o0.state.values()) + o0.backward["gradients"] == 16 * p

@@ -140,8 +140,8 @@ def test_cli_table_prints_every_model_count_and_level(capsys):
 
 
 def test_readme_excerpt_is_what_the_command_prints(capsys):
-  """Every row of README's `simulate --table` excerpt is a row of the default table."""
-  readme = open(os.path.join(ROOT, "README.md")).read()
+  """Every row of docs/cli.md's `simulate --table` excerpt is a row of the default table."""
+  readme = open(os.path.join(ROOT, "docs", "cli.md")).read()
   start = readme.index("fp8jax simulate --table [--models")
   excerpt = [line.strip() for line in readme[start:].split("\n\n")[1].splitlines()
              if line.strip().startswith("| 7B") or line.strip().startswith("| 70B")
