@@ -560,6 +560,9 @@ class ParallelSection(_Section):
   # GPipe (k inputs kept per stage) or lockstep 1F1B (2P-1 kept, larger bubble)
   pipeline_schedule: str = _field("gpipe", _one_of("gpipe", "1f1b"))
   device_map: dict | str | None = None  # kind -> throughput / profile: balanced microbatches
+  # The kind of each device by index ("4xA100+4xH100" or a list): a mixed cluster rehearsed on
+  # identical devices (e.g. 8 CPU devices); the balancer reads these kinds (needs device_map).
+  device_kinds: str | list | None = None
   fp8_capability: str = _field("per_kind", _one_of("per_kind", "uniform"))
   # Gradient reduction between data-parallel ranks: "fp8" (FP8 reduce-scatter in a shard_map
   # step, fp8jax.train.balanced), "native" (XLA reduces in the gradients' dtype), "auto" (=
@@ -576,8 +579,13 @@ class ParallelSection(_Section):
     from fp8jax.parallel import device_map
     try:
       device_map.check(self.device_map)
+      if self.device_kinds is not None:
+        device_map.parse_kinds(self.device_kinds)
     except ValueError as e:
       _fail(str(e))
+    if self.device_kinds is not None and self.device_map is None:
+      _fail("parallel.device_kinds only tells the balancer each device's kind; it needs "
+            "parallel.device_map (kind -> throughput), e.g. {A100: 0.45, H100: 1.0}")
     fill = [n for n in ("data_parallel_size", "fsdp_size") if getattr(self, n) == -1]
     if len(fill) > 1:
       _fail(f"parallel.{fill[0]}=-1 and parallel.{fill[1]}=-1 are not allowed together; "

@@ -500,12 +500,11 @@ class DeviceMemory(NamedTuple):
 
   @property
   def idle_peak(self) -> float:
-    """The peak of a GPU that runs no microbatch: state and update, and where the step takes
-    the whole model before its loop (a balanced step at ZeRO-3) that model and its
-    accumulator, which every group holds."""
-    whole = sum(self.backward.get(k, 0.0) for k in ("gathered model", "accumulator")
-                ) if "gathered model" in self.backward else 0.0
-    return sum(self.state.values()) + max(sum(self.update.values()), whole)
+    """The peak of a GPU that runs no microbatch: state and update, and the backward's terms
+    that do not scale with its microbatches (gradients, decoded and gathered weights: a
+    layer-major step gathers each layer on every group)."""
+    held = sum(v for k, v in self.backward.items() if k != "activations")
+    return sum(self.state.values()) + max(sum(self.update.values()), held)
 
 
 def fp8_meta_bytes(level: str, gemms: int) -> int:
@@ -519,7 +518,7 @@ def device_memory(model: ModelShape, level: str, stage: int, seq_len: int, micro
                   microbatches: int = 1, layout: Layout = Layout(),
                   a: Assumptions = Assumptions(), emulated: bool = False,
                   local_grads: bool = False, fused_update: bool | None = None,
-                  whole_params: bool = False) -> DeviceMemory:
+                  slots: int | None = None) -> DeviceMemory:
   """Bytes on the fullest GPU of `layout` training `model` at `level` and ZeRO `stage`
   (sharded over ``layout.data``), `microbatches` microbatches of `microbatch` sequences x
   `seq_len` tokens per step. The one memory model of a train step: ``fp8jax simulate``,
@@ -540,16 +539,17 @@ def device_memory(model: ModelShape, level: str, stage: int, seq_len: int, micro
 
   Args:
     local_grads: the per-group step (``fp8jax.train.step.GroupLoop``: a balanced split or
-      FP8 gradient communication). Its loop always keeps an f32 accumulator; below stage 3
-      it sums whole gradients and reduces them once after the loop; at stage 3 it takes the
-      parameters as shards, gathers each layer's kernels in the compute dtype where the
-      layer runs and reduce-scatters their gradients there (the accumulator holds shards;
-      one layer's f32 kernel gradients are counted in flight); it decodes the FP16 master
-      to f32 (4 bytes per parameter; /N at stage 3). Leaves ZeRO cannot split stay whole
-      (norm scales of widths not divisible by N; not counted).
-    whole_params: with `local_grads` at stage 3, the groups run different microbatch counts
-      (a balanced split): the parameters enter the loop whole (decoded to f32, gathered
-      before it) and the whole f32 gradients are reduced after it, as below stage 3.
+      FP8 gradient communication). Below stage 3 its loop keeps an f32 accumulator of whole
+      gradients, reduced once after the loop. At stage 3 it runs layer-major
+      (``fp8jax.parallel.layer_major``): the parameters enter as shards (the FP16 master
+      decoded to f32 shards), each layer's kernels are gathered (:func:`wire_bytes`) once
+      forward and once backward, its f32 gradients summed over the GPU's microbatches
+      (one layer's in flight) and reduce-scattered once into the f32 gradient shards; the
+      activations are every microbatch's input to every layer plus the last layer's output
+      and its gradient (``slots x (layers + 2)`` of n d c), one layer's working set and
+      one microbatch's logits. Leaves ZeRO cannot split stay whole (norm scales of widths
+      not divisible by N; not counted).
+    slots: microbatches the busiest GPU runs in a layer-major step (default `microbatches`).
     fused_update: whether the step takes the fused O2 update (no update temporaries; with
       one microbatch of the uniform step it reads the BF16 kernel gradients as they come;
       ``fp8jax.train.build.fused_update_fn``); None: where it does by default, one GPU at a
@@ -563,8 +563,9 @@ def device_memory(model: ModelShape, level: str, stage: int, seq_len: int, micro
   n, t, pp = layout.data, layout.tensor, layout.pipeline
   layers = -(-model.n_layers // pp)
   layer_kernels, largest = model.layer_kernels / t, model.largest_kernel / t
-  whole = local_grads and whole_params and stage == 3
-  shard3 = n if stage == 3 and not whole else 1
+  layer_major = local_grads and stage == 3
+  slots = microbatches if slots is None else slots
+  shard3 = n if stage == 3 else 1
   if fused_update is None:  # as fp8jax.train.build.fused_update_fn takes it on GPUs
     fused_update = lv.fused_update and layout.gpus == 1 and stage == 0
   # the fused update reads one microbatch's BF16 kernel gradients as they come (uniform step)
@@ -583,25 +584,26 @@ def device_memory(model: ModelShape, level: str, stage: int, seq_len: int, micro
              "FP8 meta": float(fp8_meta_bytes(level, gemms))}
     grads = c * kernels + per["grads"] * others if narrow else per["grads"] * params
     backward = {"gradients": grads / shard3}
-    if microbatches > 1 or local_grads:
+    if (microbatches > 1 or local_grads) and not layer_major:
       backward["accumulator"] = per["grads"] * params / (
           shard3 if local_grads else n if stage >= 2 else 1)
-    if whole:  # decoded (f32) and gathered before the loop
-      backward["gathered model"] = 4.0 * params
-    elif lv.scaled_master:
+    if lv.scaled_master:
       decoded = per["grads"] if local_grads else a.fp8_working_copy_bytes  # f32 / BF16
       backward["decoded weights"] = decoded * params / shard3
     if lv.fp8_gemms and stage < 3:
       backward["FP8 weight casts"] = 1.0 * kernels
-    if stage == 3 and not whole:
-      wire = c if local_grads else wire_bytes(level, c)
-      backward["gathered weights"] = a.layers_in_flight * layer_kernels * wire
+    if stage == 3:
+      backward["gathered weights"] = a.layers_in_flight * layer_kernels * wire_bytes(level, c)
       backward["weight gradient in flight"] = per["grads"] * (
           layer_kernels if local_grads else largest)
     if emulated and lv.fp8_gemms:
       backward["widened FP8 weight"] = a.emulated_weight_bytes * largest
-    backward["activations"] = activation_bytes(
-        model, seq_len, microbatch, level, t, layers, in_flight if first else 1, last)
+    if layer_major:  # layer boundaries of every slot, then one layer and head at a time
+      backward["activations"] = slots * (layers + 2) * microbatch * seq_len * model.d_model * c \
+          + activation_bytes(model, seq_len, microbatch, level, t, 0, 1, last)
+    else:
+      backward["activations"] = activation_bytes(
+          model, seq_len, microbatch, level, t, layers, in_flight if first else 1, last)
     temp = a.update_temp_bytes if lv.scaled_master else a.update_temp_bytes_f32
     update = {"gradients": grads / (n if stage >= 2 else 1),
               "update temporaries": 0.0 if fused_update else temp * params / (
@@ -628,8 +630,8 @@ def max_microbatch(kind: str, model: ModelShape, seq_len: int, level: str, stage
   level = _check_level(level)
   emulated = _level(level).fp8_gemms and not fp8_native(kind)
   fits = lambda m: device_memory(model, level, stage, seq_len, m, microbatches,
-                                 Layout(data=gpus), a, emulated, local_grads,
-                                 whole_params=local_grads).peak <= usable_bytes(kind, a)
+                                 Layout(data=gpus), a, emulated, local_grads
+                                 ).peak <= usable_bytes(kind, a)
   best, m = 0, 1
   while m <= limit and fits(m):
     best, m = m, 2 * m
@@ -661,24 +663,22 @@ def comm_bytes(level: str, stage: int, kernels: float, others: float, loops: int
   per-group step). Gradients travel as :func:`grad_comm_bytes`. Stage 0/1: one gradient
   all-reduce; stage 1/2 add an all-gather of the updated weights (stored dtype). Stage 2:
   the uniform step reduce-scatters every microbatch's gradients, the balanced one once after
-  its loop. Stage 3, both steps: per microbatch, each layer's weights gathered twice (forward,
-  and backward or its recomputation: fp8jax.fsdp) and its gradients reduce-scattered; the
-  uniform step gathers as :func:`gather_bytes`, the per-group step its kernels in the compute
-  dtype (fp8jax.fsdp.gather_tree inside ``shard_map``); with `balanced` (per-group counts)
-  the whole model is gathered once in f32 before the loop and its gradients all-reduced after.
+  its loop. Stage 3: each layer's weights gathered twice (forward, and backward or its
+  recomputation) as :func:`gather_bytes` and its gradients reduce-scattered: per microbatch
+  in the uniform step (fp8jax.fsdp), once per step in the `balanced` (per-group,
+  layer-major: fp8jax.parallel.layer_major) step.
   """
   params = kernels + others
   grads = params * grad_comm_bytes(level, grad_comm)
-  if stage <= 1 or (stage == 3 and balanced):
+  once = 1 if balanced else loops  # per-group steps reduce once after (or per layer across)
+  if stage <= 1:
     out = {"grad all-reduce": 2 * grads}
   else:
-    out = {"grad reduce-scatter": (1 if balanced and stage == 2 else loops) * grads}
+    out = {"grad reduce-scatter": once * grads}
   if stage in (1, 2):
     out["weight all-gather"] = params * master_bytes(level)
-  if stage == 3 and balanced:
-    out["weight all-gather"] = 4.0 * params
-  elif stage == 3:
-    out["weight all-gather"] = 2 * loops * gather_bytes(level, kernels, others, compute_bytes)
+  if stage == 3:
+    out["weight all-gather"] = 2 * once * gather_bytes(level, kernels, others, compute_bytes)
   return out
 
 
@@ -742,16 +742,22 @@ def _infeasible(reason: str, seconds=None, memory=None, microbatch=None) -> Spli
 def _evaluate(ctx: dict, m: int, balanced: bool) -> Split:
   """The split for microbatch size `m`, or an infeasible Split saying why."""
   model, a, cluster, kinds = ctx["model"], ctx["a"], ctx["cluster"], ctx["kind_list"]
-  loops = 2 if ctx["batch"] // m > cluster.gpus else 1  # (an accumulator from 2 on)
-  usage = {k: device_memory(model, ctx["level"], ctx["stage"], ctx["seq_len"], m, loops,
-                            Layout(data=cluster.gpus), a, k in ctx["emulated"], balanced,
-                            whole_params=balanced)
-           for k in ctx["kinds"]}
-  memory = {k: u.peak for k, u in usage.items()}
-  too_big = [k for k in ctx["kinds"] if memory[k] > usable_bytes(k, a)]
   seconds = {k: _kind_seconds(model, ctx["seq_len"], m, ctx["level"], k, a, ctx["profiles"])
              for k in ctx["kinds"]}
   unmeasured = [k for k in ctx["kinds"] if seconds[k] is None]
+  total = ctx["batch"] // m
+  counts = None
+  if not unmeasured:
+    per_gpu = [seconds[k] for k in kinds]
+    counts = balance_counts(per_gpu, total) if balanced else uniform_counts(len(kinds), total)
+  loops = 2 if total > cluster.gpus else 1  # (an accumulator from 2 on)
+  usage = {k: device_memory(model, ctx["level"], ctx["stage"], ctx["seq_len"], m, loops,
+                            Layout(data=cluster.gpus), a, k in ctx["emulated"], balanced,
+                            slots=max((c for g, c in zip(kinds, counts or ()) if g == k),
+                                      default=loops))
+           for k in ctx["kinds"]}
+  memory = {k: u.peak for k, u in usage.items()}
+  too_big = [k for k in ctx["kinds"] if memory[k] > usable_bytes(k, a)]
   if too_big:
     need = ", ".join(f"{k} {memory[k] / GiB:.0f} > {usable_bytes(k, a) / GiB:.0f} GiB"
                      for k in too_big)
@@ -759,9 +765,6 @@ def _evaluate(ctx: dict, m: int, balanced: bool) -> Split:
   if unmeasured:
     return _infeasible(f"profiles of {unmeasured} do not admit microbatch {m}", seconds,
                        memory, m)
-  per_gpu = [seconds[k] for k in kinds]
-  total = ctx["batch"] // m
-  counts = balance_counts(per_gpu, total) if balanced else uniform_counts(len(kinds), total)
   if counts is None:
     return _infeasible(uniform_reason(ctx["batch"], cluster.gpus, m), seconds, memory, m)
   busy = {k for k, c in zip(kinds, counts) if c > 0}
@@ -931,6 +934,6 @@ def format_table(predictions: Sequence[Prediction]) -> str:
     lines += [_row(p, "uniform", p.uniform), _row(p, "balanced", p.balanced)]
   if any(s.idle for p in predictions for s in (p.uniform, p.balanced)):
     lines += ["", "(idle): GPUs of that kind get no microbatch (the others finish sooner); "
-              "they hold their ZeRO shards and take part in the collectives, and their "
-              "GiB/GPU is that state only"]
+              "they hold their ZeRO shards and take part in the collectives (and the gathers of "
+              "each layer), so their GiB/GPU has no activations"]
   return "\n".join(lines)

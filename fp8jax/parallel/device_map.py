@@ -6,6 +6,10 @@ Forms (YAML)::
   device_map: {H100: {throughput: 1.0}, A100: {profile: profiles/a100-O2-T2048.json}}
   device_map: profiles/                                 # every *.json profile in a folder
 
+``parallel.device_kinds`` (a rehearsal on identical devices, e.g. 8 CPU devices) declares the
+kind of each device by its index in ``jax.devices()``: ``"4xA100+4xH100"`` or a list of kinds;
+the balancer then reads those kinds instead of the devices' own (:func:`declared_kinds`).
+
 A key matches a device kind exactly or as a case-insensitive substring ("A100" matches
 "NVIDIA A100-SXM4-80GB"); the longest matching key wins. Relative throughput t gives 1/t
 seconds per microbatch (only ratios matter); a profile (``fp8jax profile``) gives measured
@@ -54,6 +58,39 @@ def check(device_map) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or \
         not (value > 0 and math.isfinite(value)):
       raise ValueError(f"{where}={value!r} is not allowed; use a relative throughput > 0")
+
+
+def parse_kinds(spec) -> list[str]:
+  """``parallel.device_kinds`` as one kind per device: a list of kind names, or
+  ``"NxKIND+MxKIND..."`` (N devices of KIND, in device order). Raises ValueError."""
+  if isinstance(spec, str):
+    out = []
+    for part in spec.split("+"):
+      count, x, kind = part.strip().partition("x")
+      if not x or not count.strip().isdigit() or int(count) < 1 or not kind.strip():
+        raise ValueError(f"parallel.device_kinds={spec!r}: {part.strip()!r} is not N x KIND; "
+                         "use e.g. '4xA100+4xH100' or a list of kinds, one per device")
+      out += [kind.strip()] * int(count)
+    return out
+  if (isinstance(spec, (list, tuple)) and spec
+      and all(isinstance(k, str) and k for k in spec)):
+    return list(spec)
+  raise ValueError(f"parallel.device_kinds={spec!r} is not allowed; use 'NxKIND+MxKIND' "
+                   "(e.g. '4xA100+4xH100') or a list of kinds, one per device")
+
+
+def declared_kinds(spec, devices: Sequence, all_devices: Sequence) -> list[str]:
+  """The kind of each of `devices`: its own ``device_kind`` (`spec` None), or the entry of
+  ``parse_kinds(spec)`` at its index in `all_devices` (``jax.devices()``). Raises ValueError
+  when `spec` does not name one kind per device."""
+  if spec is None:
+    return [d.device_kind for d in devices]
+  kinds = parse_kinds(spec)
+  if len(kinds) != len(all_devices):
+    raise ValueError(f"parallel.device_kinds names {len(kinds)} devices but the run has "
+                     f"{len(all_devices)}; give one kind per device")
+  index = {d: i for i, d in enumerate(all_devices)}
+  return [kinds[index[d]] for d in devices]
 
 
 def _entries(device_map) -> dict[str, object]:

@@ -284,9 +284,14 @@ class Trainer:
     """Seconds per microbatch of each data-parallel group, from parallel.device_map."""
     if self.config.parallel.device_map is None:
       return None
-    kinds = [d.device_kind for d in layout.group_devices(self.plan.mesh)]
-    return device_map_lib.seconds_per_microbatch(self.config.parallel.device_map, kinds,
+    return device_map_lib.seconds_per_microbatch(self.config.parallel.device_map,
+                                                 self._group_kinds(),
                                                  self.config.train.microbatch_size)
+
+  def _group_kinds(self) -> list[str]:
+    """The device kind of each data-parallel group (``parallel.device_kinds`` if declared)."""
+    return device_map_lib.declared_kinds(self.config.parallel.device_kinds,
+                                         layout.group_devices(self.plan.mesh), jax.devices())
 
   def balanced_counts(self, microbatches: int) -> tuple[int, ...]:
     """Microbatches per data-parallel group for a step of `microbatches` (device_map runs)."""
@@ -295,7 +300,7 @@ class Trainer:
   def _balance_line(self, microbatches: int) -> str:
     """The balanced split of a step of `microbatches` and its predicted gain, in words."""
     counts = self.balanced_counts(microbatches)
-    kinds = [d.device_kind for d in layout.group_devices(self.plan.mesh)]
+    kinds = self._group_kinds()
     uniform = balance.uniform_counts(len(counts), microbatches)
     gain = ""
     if uniform is not None:

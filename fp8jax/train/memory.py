@@ -104,13 +104,14 @@ def _fused_update(config, devices: int) -> bool:
 
 
 def step_memory(config, remat_policy: str, attention_impl: str, devices: int = 1,
-                emulated: bool = False, assumptions: cm.Assumptions = cm.Assumptions()
-                ) -> cm.DeviceMemory:
+                emulated: bool = False, assumptions: cm.Assumptions = cm.Assumptions(),
+                slots: int | None = None) -> cm.DeviceMemory:
   """Bytes on one device of `config`'s train step by term
   (:func:`fp8jax.parallel.cost_model.device_memory`), with remat policy `remat_policy` (not
   "auto") and `attention_impl` ("xla" or "cudnn"), on a run over `devices` devices;
   `emulated`: the devices run FP8 GEMMs emulated (no FP8 tensor cores); `assumptions`: the
-  model's constants (the default's are H200 measurements)."""
+  model's constants (the default's are H200 measurements); `slots`: microbatches of the
+  busiest rank (default :func:`busiest_count`)."""
   if remat_policy not in REMAT_POLICIES:
     raise ValueError(f"remat_policy={remat_policy!r} is not allowed; use one of "
                      f"{list(REMAT_POLICIES)}")
@@ -128,7 +129,18 @@ def step_memory(config, remat_policy: str, attention_impl: str, devices: int = 1
                           device_sequences(config, devices), t.microbatches, layout,
                           assumptions, emulated=emulated, local_grads=local,
                           fused_update=_fused_update(config, devices),
-                          whole_params=p.device_map is not None)
+                          slots=busiest_count(config, devices) if slots is None else slots)
+
+
+def busiest_count(config, devices: int = 1) -> int:
+  """Microbatches the busiest data-parallel rank runs in a step of `config` over `devices`
+  devices: every one (each rank runs its part of each, :func:`device_sequences`), or with
+  ``parallel.device_map`` (whole microbatches, counts not known before the devices are)
+  twice the even share, at most every microbatch (an estimate that errs high)."""
+  ranks, k = data_ranks(config, devices), config.train.microbatches
+  if config.parallel.device_map is None:
+    return k
+  return min(k, 2 * -(-k // ranks))
 
 
 def step_bytes(config, remat_policy: str, attention_impl: str, devices: int = 1,

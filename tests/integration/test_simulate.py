@@ -41,7 +41,8 @@ def _compiled_bytes(cfg) -> int:
                                           d.seq_len, 0))
   plan = build.zero_plan(cfg, abstract, run.tensor_rules)
   assert plan.mesh.size == 8
-  step = build.StepCache(cfg, tx, plan).get(model, t.microbatches)
+  counts = (lambda k: (k // 8,) * 8) if cfg.parallel.device_map is not None else None
+  step = build.StepCache(cfg, tx, plan, counts_fn=counts).get(model, t.microbatches)
   batch = np.zeros((t.batch_size, d.seq_len + 1), np.int32)
   m = step.jitted.lower(abstract, *step.place(batch)).compile().memory_analysis()
   return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
@@ -58,12 +59,15 @@ def test_device_memory_tracks_the_compiled_step_at_zero3_zero1_and_per_group():
   config reaches the model through fp8jax.train.memory.step_memory, as choose_auto's
   estimate does."""
   compiled, modelled = {}, {}
+  balanced = ["parallel.zero_stage=3", "train.microbatches=8",
+              "parallel.device_map={cpu: 1.0}"]  # (1, ..., 1) of one sequence: layer-major
   for name, extra in ((3, ["parallel.zero_stage=3"]), (1, ["parallel.zero_stage=1"]),
-                      ("group", ["parallel.zero_stage=3", "parallel.grad_comm=fp8"])):
+                      ("group", ["parallel.zero_stage=3", "parallel.grad_comm=fp8"]),
+                      ("balanced", balanced)):
     cfg = load_config(None, SHAPE + extra)
     compiled[name] = _compiled_bytes(cfg)
     modelled[name] = memory.step_memory(cfg, "full", "xla", 8, emulated=True,
-                                        assumptions=CPU)
+                                        assumptions=CPU, slots=1 if name == "balanced" else None)
   print({s: (compiled[s] / 2**20, modelled[s].peak / 2**20) for s in compiled})
   for name in compiled:
     assert abs(modelled[name].peak / compiled[name] - 1) < 0.15, (name, compiled, modelled)
