@@ -748,6 +748,13 @@ class Config(_Section):
             f"{p.grad_comm_scaling!r}); set grad_comm_scaling=auto or remove it")
     if p.grad_comm != "fp8":
       return
+    if (p.grad_comm_scaling == "auto" and self.zero_stage() == 3
+        and self.model.builder is None):
+      _fail("parallel.grad_comm_scaling='auto' is not supported at ZeRO-3: the per-group "
+            "loop runs layer-major there and reduces each layer's gradients inside the "
+            "backward layer scan, where the automatic scaling state (one pre-scale per "
+            "leaf, updated after the step) does not flow; use grad_comm_scaling 'current' "
+            "(this step's amax: nothing saturates) or zero_stage <= 2")
     why = None
     if not self.train.level.fp8_gemms:
       why = (f"train.opt_level={self.train.opt_level} (BF16 GEMMs: the baseline communicates "

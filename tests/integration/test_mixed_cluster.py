@@ -99,3 +99,10 @@ def test_balanced_fp8_zero3_run_killed_with_sigkill_resumes_bit_identically(tmp_
   for a, b in zip(ref_leaves, got_leaves):
     assert a.dtype == b.dtype and np.array_equal(a.reshape(-1).view(np.uint8),
                                                  b.reshape(-1).view(np.uint8))
+
+
+def test_automatic_comm_scaling_at_zero3_is_refused_with_the_reason():
+  with pytest.raises(ValueError, match="grad_comm_scaling='auto' is not supported at ZeRO-3: "
+                                       "the per-group loop runs layer-major"):
+    _config("/tmp/unused", 1, {**BALANCED, "grad_comm_scaling": "auto"})
+  _config("/tmp/unused", 1, {**BALANCED, "zero_stage": 2, "grad_comm_scaling": "auto"})
