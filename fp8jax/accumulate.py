@@ -43,8 +43,11 @@ def accumulate_gradients(acc, grads, where=None):
   return jax.tree.map(lambda n, o: jnp.where(where, n, o), out, acc)
 
 
-def mean_gradients(acc, count: int):
-  """Divides accumulated gradients by `count` microbatches; FP8 state is left as is."""
-  if count < 1:
+def mean_gradients(acc, count):
+  """Divides accumulated gradients by `count` microbatches (an int >= 1, or an int32 scalar,
+  possibly traced); FP8 state is left as is."""
+  if isinstance(count, int) and count < 1:
     raise ValueError(f"count={count!r} is not allowed; use an integer >= 1")
-  return jax.tree.map(lambda a: a if _is_fp8(a) else a / count, acc, is_leaf=_is_fp8)
+  n = count if isinstance(count, int) else jnp.asarray(count).astype(jnp.float32)
+  return jax.tree.map(lambda a: a if _is_fp8(a) else a / jnp.asarray(n, a.dtype), acc,
+                      is_leaf=_is_fp8)

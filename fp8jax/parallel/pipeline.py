@@ -30,6 +30,10 @@ step): k >= P microbatches, P stages.
 keeping at most 2P - 1 inputs per stage instead of k, for a larger bubble (all stages run in
 lockstep, one program): 2(P - 1) / (k + 2(P - 1)).
 
+A step may run only the first `count` <= k microbatches (``count``: an int32 scalar, possibly
+traced: a batch-size ramp compiles one program for every count): microbatches from `count`
+on are bubbles too, and the means divide by `count`.
+
 A (stage, tick) slot outside 0 <= m < k is a bubble: it computes nothing (``lax.cond``) and
 leaves every accumulator unchanged. Gradients are not differentiated through the schedule:
 each slot's gradient is accumulated explicitly with ``fp8jax.accumulate_gradients``
@@ -129,9 +133,10 @@ class _Slots:
   """What one stage does in a (stage, tick) slot of a schedule: the pieces both schedules are
   made of (inside ``shard_map``; see :func:`gpipe`)."""
 
-  def __init__(self, fns: Stages, stacked, shared, parts, stages: int, axis: str):
+  def __init__(self, fns: Stages, stacked, shared, parts, stages: int, axis: str, count=None):
     self.fns, self.stacked, self.shared, self.parts = fns, stacked, shared, parts
     self.k, self.stages, self.axis = parts.shape[0], stages, axis
+    self.count = self.k if count is None else count  # microbatches that run
     s = lax.axis_index(axis)
     self.s, self.first, self.last = s, s == 0, s == stages - 1
     x = jax.eval_shape(fns.first, shared, parts[0])
@@ -142,7 +147,8 @@ class _Slots:
     is then clipped into range, and nothing may use the slot's results)."""
     m = t - offset
     i = jnp.clip(m, 0, self.k - 1)
-    return (m >= 0) & (m < self.k), i, lax.dynamic_index_in_dim(self.parts, i, keepdims=False)
+    return (m >= 0) & (m < self.count), i, lax.dynamic_index_in_dim(self.parts, i,
+                                                                       keepdims=False)
 
   def forward(self, recv, ran, part):
     """(x, y): the stage's input (stage 0: `first` of the microbatch, else `recv`) and its
@@ -195,8 +201,9 @@ class _Slots:
     """(mean loss, mean stacked gradients, mean shared gradients combined over the
     stages)."""
     loss_sum, acc_stacked, acc_shared = acc
-    return (lax.psum(loss_sum, self.axis) / self.k, mean_gradients(acc_stacked, self.k),
-            mean_gradients(_combine_over(acc_shared, self.axis, self.stages), self.k))
+    n = self.count
+    return (lax.psum(loss_sum, self.axis) / n, mean_gradients(acc_stacked, n),
+            mean_gradients(_combine_over(acc_shared, self.axis, self.stages), n))
 
 
 def _keep(saved, j, x, ran):
@@ -205,7 +212,7 @@ def _keep(saved, j, x, ran):
   return lax.dynamic_update_index_in_dim(saved, jnp.where(ran, x, old), j, 0)
 
 
-def gpipe(fns: Stages, stacked, shared, parts, *, stages: int, axis: str = PIPE):
+def gpipe(fns: Stages, stacked, shared, parts, count=None, *, stages: int, axis: str = PIPE):
   """One step's loss and gradients under the GPipe schedule (call inside ``jax.shard_map``
   manual over `axis`; see the module docstring): k + P - 1 forward ticks, then k + P - 1
   backward ticks; each stage keeps k inputs.
@@ -215,13 +222,14 @@ def gpipe(fns: Stages, stacked, shared, parts, *, stages: int, axis: str = PIPE)
     stacked: this stage's slice of the stacked variables ([L/P, ...] leaves).
     shared: the other variables (whole).
     parts: int32[k, mb, T+1], the step's k microbatches (the same on every stage).
+    count: None (all k run) or an int32 scalar in [1, k]: the first `count` run.
     stages: P, the size of `axis`.
   Returns (mean loss over the microbatches, this stage's gradient of `stacked`, the gradient
   of `shared`): parameter gradients are means over the microbatches (summed in f32), FP8
   state the max-combined update; `shared`'s is the same on every stage.
   """
   check_stages(stages, parts.shape[0])
-  p = _Slots(fns, stacked, shared, parts, stages, axis)
+  p = _Slots(fns, stacked, shared, parts, stages, axis, count)
   ticks = jnp.arange(p.k + stages - 1)
 
   def forward(carry, t):
@@ -244,7 +252,8 @@ def gpipe(fns: Stages, stacked, shared, parts, *, stages: int, axis: str = PIPE)
   return p.result(acc)
 
 
-def one_f_one_b(fns: Stages, stacked, shared, parts, *, stages: int, axis: str = PIPE):
+def one_f_one_b(fns: Stages, stacked, shared, parts, count=None, *, stages: int,
+                axis: str = PIPE):
   """:func:`gpipe`'s result under the 1F1B schedule: k + 2(P - 1) ticks, in each of which
   stage s runs the forward of microbatch t - s and the backward of microbatch
   t - 2(P - 1) + s (the last stage both of the same one), so a stage keeps at most 2P - 1
@@ -252,7 +261,7 @@ def one_f_one_b(fns: Stages, stacked, shared, parts, *, stages: int, axis: str =
   forward plus a backward everywhere: the bubble is 2(P - 1) / (k + 2(P - 1)) of the step,
   against GPipe's (P - 1) / (k + P - 1)."""
   check_stages(stages, parts.shape[0])
-  p = _Slots(fns, stacked, shared, parts, stages, axis)
+  p = _Slots(fns, stacked, shared, parts, stages, axis, count)
   ring = 2 * stages - 1
 
   def tick(carry, t):
@@ -310,12 +319,12 @@ def pipeline_loss(fns: Stages, mesh: Mesh, stacked, shared, parts, *, axis: str 
                        axis_names={axis}, check_vma=False)(stacked, shared, parts)
 
 
-def pipeline_grads(fns: Stages, mesh: Mesh, stacked, shared, parts, *, axis: str = PIPE,
-                   schedule: str = "gpipe"):
+def pipeline_grads(fns: Stages, mesh: Mesh, stacked, shared, parts, count=None, *,
+                   axis: str = PIPE, schedule: str = "gpipe"):
   """:func:`gpipe` (or :func:`one_f_one_b`, `schedule` "1f1b") over `mesh`'s `axis`
   (``jax.shard_map`` manual over it only): `stacked` leaves [L, ...] split along their layer
-  axis, `shared` and `parts` whole; returns (mean loss, gradient of `stacked` [L, ...] laid
-  out like it, gradient of `shared`).
+  axis, `shared` and `parts` whole, `count` as :func:`gpipe`'s; returns (mean loss, gradient
+  of `stacked` [L, ...] laid out like it, gradient of `shared`).
 
   The FP8 GEMMs inside agree their amaxes over the ``Auto`` axes by themselves (a max over a
   sharded array is global); over "pipe" nothing is agreed: each layer lives on one stage.
@@ -324,6 +333,10 @@ def pipeline_grads(fns: Stages, mesh: Mesh, stacked, shared, parts, *, axis: str
   """
   body = functools.partial(SCHEDULE_FNS[check_schedule(schedule)], fns,
                            stages=_stages_of(mesh, axis), axis=axis)
-  return jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(), P()),
+  if count is None:
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(), P()),
+                         out_specs=(P(), P(axis), P()), axis_names={axis},
+                         check_vma=False)(stacked, shared, parts)
+  return jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(), P(), P()),
                        out_specs=(P(), P(axis), P()), axis_names={axis},
-                       check_vma=False)(stacked, shared, parts)
+                       check_vma=False)(stacked, shared, parts, jnp.asarray(count, jnp.int32))

@@ -296,11 +296,12 @@ class PipelineLoop:
     return stages_of(self.parts)
 
 
-def pipeline_microbatches(loop: PipelineLoop, variables, batch, microbatches: int):
+def pipeline_microbatches(loop: PipelineLoop, variables, batch, microbatches: int, count=None):
   """The pipeline loop: `batch` int32[B, T+1] split into `microbatches` equal parts run
   through the stages of ``loop.mesh``'s "pipe" axis (``loop.schedule``: GPipe or 1F1B,
   :mod:`fp8jax.parallel.pipeline`; each part's sequences stay split over the batch axes).
-  Returns (mean loss, mean
+  `count`: None, or an int32 scalar (possibly traced) in [1, microbatches]: only the first
+  `count` parts run (a batch ramp), as in :func:`scan_microbatches`. Returns (mean loss, mean
   parameter gradients in f32 and FP8 state combined by max), as :func:`scan_microbatches`."""
   if batch.shape[0] % microbatches:
     raise ValueError(f"batch of {batch.shape[0]} sequences does not split into "
@@ -311,7 +312,7 @@ def pipeline_microbatches(loop: PipelineLoop, variables, batch, microbatches: in
       parts, NamedSharding(loop.mesh, P(None, layout.group_axes(loop.mesh))))
   stacked, shared = loop.parts.split(variables)
   loss, g_stacked, g_shared = pipeline_lib.pipeline_grads(
-      loop.stage_fns(), loop.mesh, stacked, shared, parts, schedule=loop.schedule)
+      loop.stage_fns(), loop.mesh, stacked, shared, parts, count, schedule=loop.schedule)
   grads = loop.parts.merge(g_stacked, g_shared)
   return loss, {**grads, "params": jax.tree.map(widen, grads["params"])}
 
@@ -331,8 +332,8 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
   `microbatches` parts that run; None: all). With `groups`: ``step(state, batch int32[G, n, m, T+1],
   counts int32[G])`` running :func:`group_microbatches` inside
   ``shard_map`` (batch and counts sharded over the groups: ``fp8jax.parallel.layout``).
-  With `pipeline`: ``step(state, batch int32[B, T+1]) -> (state, metrics)`` running
-  :func:`pipeline_microbatches`.
+  With `pipeline`: ``step(state, batch int32[B, T+1], count=None) -> (state, metrics)``
+  running :func:`pipeline_microbatches` (`count` as for the uniform loop).
 
   Args:
     apply_fn: ``apply_fn(variables, tokens[B, T]) -> logits[B, T, V]``.
@@ -440,9 +441,9 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
                "comm_saturated_max": jnp.max(comm.saturated[idx])}
     return new._replace(comm=comm), metrics
 
-  def pipelined(state: TrainState, batch):
+  def pipelined(state: TrainState, batch, count=None):
     variables = state.variables(matrix_dtype)
-    loss, grads = pipeline_microbatches(pipeline, variables, batch, microbatches)
+    loss, grads = pipeline_microbatches(pipeline, variables, batch, microbatches, count)
     if reduce_gradients is not None:
       grads = {**grads, "params": reduce_gradients(grads["params"])}
     return apply_gradients(state, tx, grads, loss, fused_update)
@@ -520,6 +521,19 @@ class TrainStep(NamedTuple):
     return self.jitted(state, *self.place(batch))
 
 
+def _uniform_placement(mesh, sharding, dynamic: bool, microbatches: int,
+                       microbatch_size: int | None, size_of: Callable):
+  """(place, batch shardings) of a step taking ``batch int32[B, T+1]`` sharded over the
+  batch axes, and with `dynamic` the batch padded to `microbatches` microbatches plus its
+  count k (an int32 scalar, replicated)."""
+  if not dynamic:
+    return (lambda batch: (layout.put_global(batch, sharding),)), (sharding,)
+  rows, scalar = microbatches * microbatch_size, layout.replicated(mesh)
+  place = lambda batch: (layout.put_global(_pad_to(batch, 0, rows), sharding),
+                         layout.put_global(np.int32(size_of(batch)), scalar))
+  return place, (sharding, scalar)
+
+
 def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroPlan,
                microbatches: int, *, counts: Callable[[int], Sequence[int]] | None = None,
                dynamic: bool = False, microbatch_size: int | None = None,
@@ -550,8 +564,8 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
     Other arguments: as for :func:`make_train_step`.
 
   On a mesh with a "pipe" axis the loop is the pipeline's (:func:`pipeline_microbatches`,
-  with the plan's gradient layout; `microbatches` >= the stages; not with `counts`,
-  `dynamic`, `grad_comm` "fp8" or `cast_weights`).
+  with the plan's gradient layout; `microbatches` >= the stages; with `dynamic`; not with
+  `counts`, `grad_comm` "fp8" or `cast_weights`).
 
   The loop is per group when `counts` is given or `grad_comm` is "fp8" (every group then
   runs all microbatches on its 1/G of each: the uniform split); else the uniform loop with
@@ -582,16 +596,16 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
                      f"needs {'a PipelineLoop on that mesh' if pipe_size(mesh) > 1 else 'no'} "
                      f"pipeline, got {pipeline!r}")
   if pipeline is not None:
-    unsupported = {"counts": counts is not None, "dynamic": dynamic,
-                   "grad_comm='fp8'": grad_comm == "fp8", "cast_weights": cast_weights is not None}
+    unsupported = {"counts": counts is not None, "grad_comm='fp8'": grad_comm == "fp8",
+                   "cast_weights": cast_weights is not None}
     if any(unsupported.values()):
       raise ValueError(f"build_step: pipeline parallelism ({pipe_size(mesh)} stages) does not "
                        f"support {[k for k, v in unsupported.items() if v]} yet; leave them out")
     step = make_train_step(apply_fn, tx, microbatches, pipeline=pipeline,
                            reduce_gradients=plan.reduce_fn(), fused_update=fused_update,
                            matrix_dtype=matrix_dtype)
-    place = lambda batch: (layout.put_global(batch, sharding),)
-    batch_shardings = (sharding,)
+    place, batch_shardings = _uniform_placement(mesh, sharding, dynamic, microbatches,
+                                                microbatch_size, size_of)
   elif per_group:
     loop = GroupLoop(mesh, grad_comm=grad_comm, comm_scaling=comm_scaling,
                      growth_interval=growth_interval, weight_gather=plan.weight_gather(),
@@ -625,14 +639,8 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
                            reduce_gradients=plan.reduce_fn(), fused_update=fused_update,
                            cast_weights=cast_weights if weight_gather is None else None,
                            matrix_dtype=matrix_dtype)
-    if dynamic:
-      rows, scalar = microbatches * microbatch_size, layout.replicated(mesh)
-      place = lambda batch: (layout.put_global(_pad_to(batch, 0, rows), sharding),
-                             layout.put_global(np.int32(size_of(batch)), scalar))
-      batch_shardings = (sharding, scalar)
-    else:
-      place = lambda batch: (layout.put_global(batch, sharding),)
-      batch_shardings = (sharding,)
+    place, batch_shardings = _uniform_placement(mesh, sharding, dynamic, microbatches,
+                                                microbatch_size, size_of)
   if skip_nonfinite:
     inside = ("params", "opt_state") if fused_update is not None else ()
     step = guards.skip_nonfinite_steps(step, skipped_inside=inside)

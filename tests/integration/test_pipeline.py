@@ -142,6 +142,38 @@ def test_built_step_with_zero3_matches_one_device(data):
   assert _rel(host(state.opt_state), _flat(ref.opt_state)) < 1e-5  # the momentum
 
 
+@pytest.mark.parametrize("family, count", [("gpt", 2), ("llama", None)])
+def test_built_step_with_a_ramp_or_llama_matches_one_device(data, family, count):
+  """``build_step`` over pipe 2 x data 4 (O0, f32, SGD with momentum): with a batch ramp
+  (``dynamic``: one program for every count; here 2 of up to K microbatches, the rest a
+  bubble) and with the llama family, one step gives one device's update to f32 rounding."""
+  seed, batch, _ = data
+  if family == "gpt":
+    model, variables = _variables("O0", "float32", seed)
+  else:
+    from fp8jax.models.llama import Llama, LlamaConfig
+    model = Llama(LlamaConfig(**MODEL, n_kv_heads=1, dtype="float32"), None)
+    variables = jax.jit(model.init)(jax.random.key(seed), jnp.zeros((2, SEQ), jnp.int32))
+  k = K if count is None else count
+  batch = batch[:k * MB]
+  tx = optax.sgd(0.1, momentum=0.9)
+
+  def init():
+    return TrainState(jnp.zeros((), jnp.int32), variables["params"], {},
+                      tx.init(variables["params"]))
+  ref, ref_metrics = jax.jit(make_train_step(model.apply, tx, k))(init(), batch)
+  mesh = parallel.make_mesh(data=4, pipe=2)
+  plan = parallel.plan(init(), mesh, 1, level=opt_level("O0"))
+  step = build_step(model.apply, tx, plan, K, dynamic=count is not None, microbatch_size=MB,
+                    pipeline=PipelineLoop(mesh, model.parts()))
+  state, metrics = step(plan.shard_state(init()), batch)
+  assert abs(float(metrics["loss"]) - float(ref_metrics["loss"])) < 1e-6 * float(
+      ref_metrics["loss"])
+  host = lambda tree: _flat(parallel.to_host(tree))
+  p0 = _flat(variables["params"])
+  assert _rel(host(state.params) - p0, _flat(ref.params) - p0) < 1e-5  # the update
+
+
 def test_pipelined_evaluation_is_the_models_loss(data):
   """The forward-only schedule (one microbatch through 4 stages, f32 compute, O1) gives the
   model's loss."""
