@@ -43,8 +43,9 @@ import jax.numpy as jnp
 from fp8jax.kernels.rounding import hash32
 from fp8jax.optim.finite import all_finite
 from fp8jax.optim.rounding import stochastic_round
-from fp8jax.optim.scaled import (ScaledArray, amaxes, check_float_dtype, dequantize_scaled,
-                                 is_scaled, payload_max, quantize_with_scale, scale_from_bound)
+from fp8jax.optim.scaled import (ScaledArray, amaxes, check_float_dtype, check_real,
+                                 dequantize_scaled, is_scaled, payload_max, quantize_with_scale,
+                                 scale_from_bound)
 from fp8jax.params import is_gemm_weight
 
 ROUNDINGS = ("stochastic", "nearest")
@@ -83,8 +84,13 @@ def write_scales(amax: jax.Array, dtype) -> jax.Array:
 
 
 def init_master(params, dtype=jnp.float16, *, axis_names: Sequence[str] = ()) -> MasterWeights:
-  """Master weights of `params` in `dtype` (FP16) with power-of-two per-tensor scales."""
+  """Master weights of `params` in `dtype` (FP16) with power-of-two per-tensor scales.
+
+  Non-float leaves (integers, ...) are kept as they are and never updated; complex leaves
+  are refused (ValueError naming the leaf): keep them out of the master tree.
+  """
   dtype = check_float_dtype("init_master", "dtype", dtype)
+  check_real("fp8jax.optim.init_master", "parameter", params)
   leaves, treedef = jax.tree.flatten(params)
   idx = [i for i, p in enumerate(leaves) if _is_float(p)]
   amax = amaxes([leaves[i] for i in idx], axis_names)

@@ -25,6 +25,7 @@ the old payloads were scaled to, which the stored values never exceed). The ``u`
 capped by Cauchy-Schwarz, ``|m_t| <= (1-b1) sqrt(v_t / (1-b2)) / sqrt(1 - b1^2/b2)`` for any
 gradient history, with the stored formats' rounding folded into ``b1`` and ``b2``: ~11.7 for
 (0.9, 0.999) with an E4M3 ``u`` and an FP16 ``r``, so after a few steps ``u``'s scale is fixed.
+The factors of these bounds are rounded up to 9 significant bits (see :data:`ROUND_BITS`).
 Neither payload saturates. ``r`` is computed in units of its new scale, so gradients from
 1e-38 to 3e38 neither underflow nor overflow on the way.
 """
@@ -34,6 +35,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from fp8jax.optim.scaled import (ScaledArray, dequantize_scaled, is_scaled, payload_max,
                                  quantize_with_scale, scale_from_bound)
@@ -45,42 +47,120 @@ def decode(mu: ScaledArray, nu: ScaledArray):
   return dequantize_scaled(mu) * r, r
 
 
-def advance(m_old, r_old, g, nu_scale, b1: float, b2: float):
+def hyper(x):
+  """A numeric hyperparameter as the update uses it: a Python number as it is (a constant of
+  the program), anything else (a NumPy or JAX scalar, also a traced one, e.g. from
+  ``optax.inject_hyperparams``) as f32[]."""
+  if isinstance(x, (int, float)) and not isinstance(x, bool):
+    return x
+  return jnp.asarray(x, jnp.float32)
+
+
+def complement(b):
+  """``1 - b`` for a decay rate `b` (see :func:`hyper`): computed in float64 for a Python
+  number (as optax does: 1 - 0.999 is f32(1e-3)), in f32 otherwise. For any f32 value of
+  `b` in [0.5, 1] both are exact, so a traced `b` and the Python number of the same value
+  give the same program values."""
+  b = hyper(b)
+  return 1.0 - b
+
+
+def _f32(x) -> jax.Array:
+  return jnp.asarray(x, jnp.float32)
+
+
+def advance(m_old, r_old, g, nu_scale, b1, b2):
   """One Adam moment step in f32: (m, r) with r = sqrt(b2 r_old^2 + (1-b2) g^2).
 
-  `r` is computed in units of the new `nu_scale` (where it is <= the payload max, so its
-  square cannot overflow and only elements ~19 decades below the tensor's largest, which the
-  payload flushes anyway, underflow) and returned in those units: ``r_units * nu_scale`` is
-  the root, ``r_units`` is what ``nu`` stores.
+  `b1`, `b2`: Python numbers or f32[] (traced or not; see :func:`hyper`). `r` is computed in
+  units of the new `nu_scale` (where it is <= the payload max, so its square cannot overflow
+  and only elements ~19 decades below the tensor's largest, which the payload flushes
+  anyway, underflow) and returned in those units: ``r_units * nu_scale`` is the root,
+  ``r_units`` is what ``nu`` stores.
   """
+  b1, b2 = hyper(b1), hyper(b2)
   inv = jnp.where(nu_scale > 0, 1.0 / nu_scale, 0.0)
-  m = b1 * m_old + (1.0 - b1) * g
+  m = b1 * m_old + complement(b1) * g
   x, y = r_old * inv, g * inv
-  return m, jnp.sqrt(b2 * (x * x) + (1.0 - b2) * (y * y))
+  return m, jnp.sqrt(b2 * (x * x) + complement(b2) * (y * y))
 
 
-def u_cap(b1: float, b2: float, mu_dtype, nu_dtype) -> float:
+# The scale factors below are rounded up to ROUND_BITS significant bits (<= 0.2% looser
+# bounds). A Python beta's factors are computed in float64, a traced beta's in f32, and XLA
+# rewrites f32 scalar arithmetic (rsqrt, reassociation) differently for constants and
+# runtime values; the coarse values are the same in all these cases (unless the exact value
+# lies within an f32 ulp of a grid point), so traced and Python betas give the same scales.
+ROUND_BITS = 9
+
+
+def _is_number(x) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _round_up(x):
+  """Positive `x` rounded up to ROUND_BITS significant bits: a Python float for a Python
+  number (inf stays inf), else f32 (its bit pattern rounded up; inf stays inf)."""
+  if _is_number(x):
+    if not math.isfinite(x) or x <= 0:
+      return float(x)
+    mant, expo = math.frexp(x)
+    return math.ldexp(math.ceil(mant * 2.0**ROUND_BITS) / 2.0**ROUND_BITS, expo)
+  low = 2 ** (int(jnp.finfo(jnp.float32).nmant) + 1 - ROUND_BITS) - 1
+  bits = lax.bitcast_convert_type(_f32(x), jnp.int32)
+  up = lax.bitcast_convert_type((bits + low) & ~low, jnp.float32)
+  return jnp.where(jnp.isfinite(x) & (x > 0), up, x)
+
+
+def u_cap(b1, b2, mu_dtype, nu_dtype):
   """The Cauchy-Schwarz bound on ``|u| = |m| / sqrt(v)`` (inf where b1^2 >= b2), with the
-  relative rounding of the stored ``u`` and ``r`` folded into b1 and b2."""
+  relative rounding of the stored ``u`` and ``r`` folded into b1 and b2, rounded up to
+  ``ROUND_BITS`` significant bits.
+
+  `b1`, `b2`: Python numbers (returns a Python float, float64 arithmetic) or f32[] arrays,
+  traced or not (returns f32[]); ``1 - b`` as :func:`complement` computes it.
+  """
   rel = lambda dtype: 2.0 ** -(int(jnp.finfo(dtype).nmant) + 1)
   eps_u, eps_r = rel(mu_dtype), rel(nu_dtype)
-  b1e = b1 * (1.0 + eps_u) * (1.0 + eps_r)
-  b2e = b2 * (1.0 - eps_r) ** 2
-  if b1e * b1e >= b2e:
-    return math.inf
-  return (1.0 - b1) * (1.0 + eps_u) / math.sqrt((1.0 - b2) * (1.0 - b1e * b1e / b2e))
+  if _is_number(b1) and _is_number(b2):
+    b1e = b1 * (1.0 + eps_u) * (1.0 + eps_r)
+    b2e = b2 * (1.0 - eps_r) ** 2
+    if b1e * b1e >= b2e:
+      return math.inf
+    return _round_up((1.0 - b1) * (1.0 + eps_u) / math.sqrt((1.0 - b2) * (1.0 - b1e * b1e / b2e)))
+  b1e = _f32(b1) * ((1.0 + eps_u) * (1.0 + eps_r))
+  b2e = _f32(b2) * (1.0 - eps_r) ** 2
+  finite = b1e * b1e < b2e
+  denom = _f32(complement(b2)) * (1.0 - b1e * b1e / b2e)
+  cap = _f32(complement(b1)) * (1.0 + eps_u) / jnp.sqrt(jnp.where(finite, denom, 1.0))
+  return jnp.where(finite, _round_up(cap), jnp.inf)
 
 
-def next_scales(mu_scale, nu_scale, amax_g, b1: float, b2: float, mu_dtype, nu_dtype):
+def _bound_factors(b1, b2, mu_dtype, nu_dtype):
+  """(A, B, C, D, cap): ``R_new <= hypot(A R_scale, B max|g|)``,
+  ``U_new <= min(C U_scale + D, cap)`` in units of the payloads' scales (see the module doc),
+  each factor rounded up to ROUND_BITS bits; Python floats for Python betas, else f32[]."""
+  pmax_nu, pmax_mu = payload_max(nu_dtype), payload_max(mu_dtype)
+  cap = u_cap(b1, b2, mu_dtype, nu_dtype)
+  if _is_number(b1) and _is_number(b2):
+    sqrt_b2, sqrt_c2 = math.sqrt(b2), math.sqrt(1.0 - b2)
+  else:
+    b1, b2 = _f32(b1), _f32(b2)
+    sqrt_b2, sqrt_c2 = jnp.sqrt(b2), jnp.sqrt(_f32(complement(b2)))
+  return (_round_up(sqrt_b2 * pmax_nu), _round_up(sqrt_c2),
+          _round_up(b1 / sqrt_b2 * pmax_mu), _round_up(complement(b1) / sqrt_c2), cap)
+
+
+def next_scales(mu_scale, nu_scale, amax_g, b1, b2, mu_dtype, nu_dtype):
   """(mu_scale, nu_scale) for the state written this step, from the bounds above.
 
   Elementwise over stacked per-tensor values (f32[L] for a tree of L tensors): `mu_scale` and
   `nu_scale` are the old state's scales, `amax_g` the gradient's agreed amax (or a bound on it).
+  `b1`, `b2`: Python numbers or f32[] (traced or not).
   """
   pmax_nu, pmax_mu = payload_max(nu_dtype), payload_max(mu_dtype)
-  r_bound = jnp.hypot(math.sqrt(b2) * nu_scale * pmax_nu, math.sqrt(1.0 - b2) * amax_g)
-  u_bound = b1 / math.sqrt(b2) * (mu_scale * pmax_mu) + (1.0 - b1) / math.sqrt(1.0 - b2)
-  u_bound = jnp.minimum(u_bound, u_cap(b1, b2, mu_dtype, nu_dtype))
+  a, b, c, d, cap = _bound_factors(b1, b2, mu_dtype, nu_dtype)
+  r_bound = jnp.hypot(a * nu_scale, b * amax_g)
+  u_bound = jnp.minimum(c * mu_scale + d, cap)
   return scale_from_bound(u_bound, pmax_mu), scale_from_bound(r_bound, pmax_nu)
 
 

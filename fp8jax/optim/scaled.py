@@ -54,6 +54,9 @@ def is_scaled(x) -> bool:
 
 def check_float_dtype(where: str, name: str, dtype):
   """`dtype` as a numpy dtype; ValueError naming `where`.`name` unless it is a float type."""
+  if isinstance(dtype, (jax.Array, np.ndarray)):  # an array, e.g. a dtype run as a schedule
+    raise ValueError(f"{where}: {name} is an array of {dtype.dtype}, not a dtype; under "
+                     "optax.inject_hyperparams name it in static_args")
   try:
     dt = np.dtype(dtype)
   except TypeError:
@@ -62,6 +65,24 @@ def check_float_dtype(where: str, name: str, dtype):
     raise ValueError(f"{where}: {name}={dtype!r} is not allowed; use a floating dtype such as "
                      "float8_e4m3fn, float8_e5m2, float16, bfloat16 or float32")
   return dt
+
+
+def check_real(where: str, what: str, tree) -> None:
+  """ValueError naming the first complex leaf of `tree` (its key path and dtype).
+
+  Scaled payloads, scales and amaxes are real: a complex leaf would lose its imaginary part.
+  `what` names the leaves in the message ("parameter", "gradient").
+  """
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_scaled)[0]:
+    x = leaf.data if is_scaled(leaf) else leaf
+    dtype = getattr(x, "dtype", None)
+    if dtype is None and isinstance(x, complex):
+      dtype = np.dtype(complex)
+    if dtype is not None and jnp.issubdtype(dtype, jnp.complexfloating):
+      where_in_tree = jax.tree_util.keystr(path) or "(the whole tree)"
+      raise ValueError(f"{where}: {what} {where_in_tree} is {np.dtype(dtype)}; fp8jax.optim "
+                       "supports real leaves only: give complex leaves a plain optax optimizer "
+                       "with optax.partition (docs/optim.md)")
 
 
 def payload_max(dtype, margin: float = 0) -> float:

@@ -16,14 +16,18 @@ from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from fp8jax.optim import moments
 from fp8jax.optim.finite import skip_not_finite
-from fp8jax.optim.scaled import (ScaledArray, amaxes, check_float_dtype, dequantize_scaled,
-                                 is_scaled, zeros_like_scaled)
+from fp8jax.optim.scaled import (ScaledArray, amaxes, check_float_dtype, check_real,
+                                 dequantize_scaled, is_scaled, zeros_like_scaled)
 
-E4M3 = jnp.float8_e4m3fn
+# Default payload types as dtype objects, not scalar types: ``optax.inject_hyperparams``
+# takes every callable argument for a schedule, and ``jnp.float8_e4m3fn`` is callable.
+E4M3 = np.dtype(jnp.float8_e4m3fn)
+F16 = np.dtype(jnp.float16)
 
 
 class ScaleByAdamState(NamedTuple):
@@ -40,12 +44,28 @@ class ScaleByAdamState(NamedTuple):
   nu: Any
 
 
+def _concrete(x):
+  """The value of a numeric scalar as a Python number; None for a traced value."""
+  if isinstance(x, (int, float)):
+    return x
+  try:
+    return float(x)
+  except TypeError:  # a tracer (jax.errors.ConcretizationTypeError) or not a scalar
+    return None
+
+
 def _check_betas(b1, b2):
-  """ValueError for betas outside 0 <= b1 < 1, 0 < b2 < 1 (Python numbers only)."""
-  if isinstance(b1, (int, float)) and not 0 <= b1 < 1:
-    raise ValueError(f"scale_by_adam: b1={b1!r} is not allowed; use 0 <= b1 < 1")
-  if isinstance(b2, (int, float)) and not 0 < b2 < 1:
-    raise ValueError(f"scale_by_adam: b2={b2!r} is not allowed; use 0 < b2 < 1")
+  """ValueError for betas outside 0 <= b1 < 1, 0 < b2 < 1 (traced values are not checked)."""
+  for name, b, low_ok, rule in (("b1", b1, True, "0 <= b1 < 1"), ("b2", b2, False, "0 < b2 < 1")):
+    v = _concrete(b)
+    if v is None or ((0 <= v if low_ok else 0 < v) and v < 1):
+      continue
+    dtype = getattr(b, "dtype", None)
+    hint = ""
+    if dtype is not None and np.dtype(dtype).itemsize < 4:
+      hint = (f" ({np.dtype(dtype)} rounded it; give optax.inject_hyperparams "
+              "hyperparam_dtype=jnp.float32)")
+    raise ValueError(f"scale_by_adam: {name}={v!r} is not allowed; use {rule}{hint}")
 
 
 def _bias_correction(decay, count):
@@ -55,7 +75,7 @@ def _bias_correction(decay, count):
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
                   eps_root: float = 0.0, mu_dtype: Any = E4M3, *, nesterov: bool = False,
-                  nu_dtype: Any = jnp.float16,
+                  nu_dtype: Any = F16,
                   axis_names: Sequence[str] = ()) -> optax.GradientTransformation:
   """Adam's scaling (optax.scale_by_adam's signature) with low-precision moments.
 
@@ -72,6 +92,15 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     built elementwise from the params, so they shard like them; ``init`` under ``jax.jit``
     with Auto mesh axes needs ``out_shardings`` (outside jit, or with Explicit axes, the
     params' shardings carry over).
+
+  The numeric hyperparameters (`b1`, `b2`, `eps`, `eps_root`) may be Python numbers or f32[]
+  arrays, traced ones included, so ``optax.inject_hyperparams`` can hold them in the state.
+  A traced value equal to a Python number gives the same updates and state when b1, b2 are
+  f32 values in [0.5, 1) (elsewhere ``1 - b`` is rounded once more: it is computed in
+  float64 for a Python number, as optax does). Traced betas are not range-checked.
+  Params must be real: ``init`` raises ValueError naming the first complex leaf (and
+  ``update`` the first complex gradient); train complex leaves with a plain optax optimizer
+  through ``optax.partition`` (docs/optim.md).
   """
   _check_betas(b1, b2)
   mu_dtype = check_float_dtype("scale_by_adam", "mu_dtype", jnp.float32 if mu_dtype is None else mu_dtype)
@@ -79,12 +108,16 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   axis_names = tuple(axis_names)
 
   def init(params):
+    check_real("fp8jax.optim.scale_by_adam", "parameter", params)
     zeros = lambda dtype: jax.tree.map(lambda p: zeros_like_scaled(p, dtype), params,
                                        is_leaf=is_scaled)
     return ScaleByAdamState(jnp.zeros((), jnp.int32), zeros(mu_dtype), zeros(nu_dtype))
 
   def update(updates, state, params=None):
     del params
+    check_real("fp8jax.optim.scale_by_adam", "gradient", updates)
+    b1_, b2_ = moments.hyper(b1), moments.hyper(b2)
+    eps_ = moments.hyper(eps)
     grads, treedef = jax.tree.flatten(updates, is_leaf=is_scaled)
     mus, nus = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
     # Per-tensor scalars, stacked (f32[L]) so they cost one collective and one small kernel.
@@ -93,21 +126,21 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
     old_mu_scale = jnp.stack([mu.scale for mu in mus]) if mus else jnp.zeros((0,))
     old_nu_scale = jnp.stack([nu.scale for nu in nus]) if nus else jnp.zeros((0,))
     mu_scale, nu_scale = moments.next_scales(old_mu_scale, old_nu_scale,
-                                             moments.grad_bounds(grads, amax_g), b1, b2,
+                                             moments.grad_bounds(grads, amax_g), b1_, b2_,
                                              mu_dtype, nu_dtype)
     mu_scale = jnp.where(ok, mu_scale, old_mu_scale)
     nu_scale = jnp.where(ok, nu_scale, old_nu_scale)
     count = optax.safe_int32_increment(state.count)
-    bc1, bc2 = _bias_correction(b1, count), _bias_correction(b2, count)
+    bc1, bc2 = _bias_correction(b1_, count), _bias_correction(b2_, count)
     new_grads, new_mus, new_nus = [], [], []
     for i, (g, mu, nu) in enumerate(zip(grads, mus, nus)):
       out_dtype = jnp.float32 if is_scaled(g) else g.dtype
       g = dequantize_scaled(g)
       m_old, r_old = moments.decode(mu, nu)
-      m, r_units = moments.advance(m_old, r_old, g, nu_scale[i], b1, b2)
+      m, r_units = moments.advance(m_old, r_old, g, nu_scale[i], b1_, b2_)
       if nesterov:
-        m_hat = b1 * m / _bias_correction(b1, optax.safe_int32_increment(count)) \
-            + (1.0 - b1) * g / bc1
+        m_hat = b1_ * m / _bias_correction(b1_, optax.safe_int32_increment(count)) \
+            + moments.complement(b1_) * g / bc1
       else:
         m_hat = m / bc1
       # sqrt(v_hat + eps_root), with r = r_units * nu_scale.
@@ -115,7 +148,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
       if not (isinstance(eps_root, (int, float)) and eps_root == 0):
         r_hat = jnp.hypot(r_hat, jnp.sqrt(jnp.asarray(eps_root, jnp.float32)))
       new_mu, new_nu = moments.encode(m, r_units, mu_scale[i], nu_scale[i], mu_dtype, nu_dtype)
-      new_grads.append(jnp.where(ok, m_hat / (r_hat + eps), 0.0).astype(out_dtype))
+      new_grads.append(jnp.where(ok, m_hat / (r_hat + eps_), 0.0).astype(out_dtype))
       new_mus.append(ScaledArray(jnp.where(ok, new_mu.data, mu.data), mu_scale[i]))
       new_nus.append(ScaledArray(jnp.where(ok, new_nu.data, nu.data), nu_scale[i]))
     new_state = ScaleByAdamState(jnp.where(ok, count, state.count),
@@ -128,12 +161,17 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
 def adam(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
          eps_root: float = 0.0, mu_dtype: Any = E4M3, *, nesterov: bool = False,
-         nu_dtype: Any = jnp.float16,
+         nu_dtype: Any = F16,
          axis_names: Sequence[str] = ()) -> optax.GradientTransformationExtraArgs:
   """optax.adam with the state of :func:`scale_by_adam`; `learning_rate` may be a schedule.
 
   A step with non-finite gradients is skipped as a whole (zero updates, state unchanged,
-  schedule count included).
+  schedule count included). Numeric hyperparameters may be traced (see
+  :func:`scale_by_adam`): ``optax.inject_hyperparams(adam)(learning_rate=...)`` works under
+  ``jax.jit``; the dtype arguments, if given as scalar types such as ``jnp.bfloat16``, go in
+  ``static_args`` (``np.dtype`` objects or strings need not). Complex params are refused at
+  ``init`` (ValueError naming the leaf); give them a plain optax optimizer with
+  ``optax.partition``.
   """
   return skip_not_finite(optax.chain(
       scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, nu_dtype=nu_dtype,
@@ -143,7 +181,7 @@ def adam(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
 def adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
           eps_root: float = 0.0, mu_dtype: Any = E4M3, weight_decay: float = 1e-4,
-          mask=None, *, nesterov: bool = False, nu_dtype: Any = jnp.float16,
+          mask=None, *, nesterov: bool = False, nu_dtype: Any = F16,
           axis_names: Sequence[str] = ()) -> optax.GradientTransformationExtraArgs:
   """optax.adamw (decoupled weight decay, `mask` selects the decayed params) with the state
   of :func:`scale_by_adam`; `learning_rate` and `weight_decay` may be schedules.
@@ -151,6 +189,20 @@ def adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
   Weight decay needs `params` (plain arrays; with FP16 master weights pass
   :func:`fp8jax.optim.master_params`). A step with non-finite gradients is skipped as a
   whole: zero updates (no decay either), state unchanged.
+
+  Every numeric hyperparameter (`learning_rate`, `b1`, `b2`, `eps`, `eps_root`,
+  `weight_decay`) may be a traced f32[], so ``optax.inject_hyperparams(adamw)(
+  learning_rate=...)`` works under ``jax.jit`` and gives the updates of the plain call with
+  the same values (:func:`scale_by_adam`); dtype arguments given as scalar types (e.g.
+  ``jnp.bfloat16``) go in ``static_args``. With bf16/f16 params ``inject_hyperparams``
+  rounds the hyperparameters to the params' dtype (b2 = 0.999 becomes 1.0, refused): pass
+  ``hyperparam_dtype=jnp.float32``.
+
+  Complex params are refused: ``init`` raises ValueError naming the first complex leaf and
+  its dtype. Train them with a plain optax optimizer and the rest with this one::
+
+    labels = jax.tree.map(lambda p: "complex" if jnp.iscomplexobj(p) else "fp8", params)
+    tx = optax.partition({"fp8": adamw(lr), "complex": optax.adamw(lr)}, labels)
   """
   return skip_not_finite(optax.chain(
       scale_by_adam(b1, b2, eps, eps_root, mu_dtype, nesterov=nesterov, nu_dtype=nu_dtype,
