@@ -210,12 +210,12 @@ def group_microbatches(grad_fn: Callable, loop: GroupLoop, variables, batch, cou
   """
   batch, count = batch[0], counts[0]
   if dims is None:
-    def one(i, carry):
+    def add_microbatch(i, carry):
       loss_sum, acc = carry
       loss, g = grad_fn(variables, lax.dynamic_index_in_dim(batch, i, keepdims=False))
       return loss_sum + loss, accumulate_gradients(acc, g)
 
-    loss_sum, acc = lax.fori_loop(0, count, one, (jnp.zeros((), jnp.float32),
+    loss_sum, acc = lax.fori_loop(0, count, add_microbatch, (jnp.zeros((), jnp.float32),
                                                   accumulator_zeros(variables)))
   else:
     parts = loop.parts
@@ -225,7 +225,7 @@ def group_microbatches(grad_fn: Callable, loop: GroupLoop, variables, batch, cou
         stages_of(parts), loop.gathering(), stacked, shared, split_dims, batch, count)
     acc = parts.merge(g_stacked, g_shared)
   total, loss_sum = lax.psum((count.astype(jnp.float32), loss_sum), loop.axes)
-  params, comm = _reduce_rest(acc["params"], reduced, loop, comm)
+  params, comm = _sum_over_groups(acc["params"], reduced, loop, comm)
   params = jax.tree.map(lambda g: g / total.astype(g.dtype), params)
   rest = {k: v for k, v in acc.items() if k != "params"}
   grads = {**(_max_over_groups(rest, loop.axes) if rest else {}), "params": params}
@@ -241,7 +241,7 @@ def stages_of(parts) -> pipeline_lib.Stages:
       last=lambda shared, y, part: cross_entropy(parts.logits(shared, y), part[:, 1:]))
 
 
-def _reduce_rest(grads, reduced, loop: GroupLoop, comm):
+def _sum_over_groups(grads, reduced, loop: GroupLoop, comm):
   """`grads` summed over the groups (``grad_comm.reduce_over_groups``) except the leaves
   `reduced` marks as summed already."""
   if reduced is None:
@@ -392,7 +392,7 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
       g = {**g, "params": reduce_gradients(jax.tree.map(widen, g["params"]))}
     return loss, g
 
-  def uniform(state: TrainState, batch, count=None):
+  def uniform_step(state: TrainState, batch, count=None):
     variables = state.variables(matrix_dtype)  # decoded once, for every microbatch
     extra = {}
     if cast_weights is not None:  # once, for every microbatch
@@ -406,7 +406,7 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
       grads = {**grads, "params": jax.tree.map(widen, grads["params"])}
     return apply_gradients(state, tx, grads, loss, fused_update)
 
-  def per_group(state: TrainState, batch, counts):
+  def group_step(state: TrainState, batch, counts):
     variables = state.variables()
     comm = state.comm if groups.auto else None
     if groups.auto:
@@ -441,7 +441,7 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
                "comm_saturated_max": jnp.max(comm.saturated[idx])}
     return new._replace(comm=comm), metrics
 
-  def pipelined(state: TrainState, batch, count=None):
+  def pipeline_step(state: TrainState, batch, count=None):
     variables = state.variables(matrix_dtype)
     loss, grads = pipeline_microbatches(pipeline, variables, batch, microbatches, count)
     if reduce_gradients is not None:
@@ -449,8 +449,8 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
     return apply_gradients(state, tx, grads, loss, fused_update)
 
   if pipeline is not None:
-    return pipelined
-  return uniform if groups is None else per_group
+    return pipeline_step
+  return uniform_step if groups is None else group_step
 
 
 def apply_gradients(state: TrainState, tx: optax.GradientTransformation, grads, loss,
@@ -574,7 +574,7 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
   in the per-group loop).
   """
   mesh = plan.mesh
-  per_group = counts is not None or grad_comm == "fp8"
+  group_loop = counts is not None or grad_comm == "fp8"
   if (counts is not None or dynamic) and microbatch_size is None:
     raise ValueError("build_step: counts and dynamic need microbatch_size (sequences per "
                      "microbatch)")
@@ -606,7 +606,7 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
                            matrix_dtype=matrix_dtype)
     place, batch_shardings = _uniform_placement(mesh, sharding, dynamic, microbatches,
                                                 microbatch_size, size_of)
-  elif per_group:
+  elif group_loop:
     loop = GroupLoop(mesh, grad_comm=grad_comm, comm_scaling=comm_scaling,
                      growth_interval=growth_interval, weight_gather=plan.weight_gather(),
                      parts=parts, layer_stacks=tuple(layer_stacks))
