@@ -1,5 +1,5 @@
 """What the batch ramp's one compiled step costs: at each batch size, the dynamic step (the
-microbatch count passed as data, ``build_step(..., dynamic=True)``, as a ``train.batch_ramp``
+microbatch count passed as data, ``build_step(..., UniformLoop(dynamic=True))``, as a ``train.batch_ramp``
 run uses it) against the step compiled for that count alone, side by side in one process.
 
   python benchmarks/train/batch_ramp.py --config configs/gpt_125m.yaml --counts 1,2,4,8 \

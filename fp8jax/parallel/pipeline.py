@@ -102,9 +102,10 @@ def check_schedule(schedule: str) -> str:
 
 
 def bubble_fraction(stages: int, microbatches: int, schedule: str = "gpipe") -> float:
-  """The fraction of a step each stage idles: (P - 1) / (k + P - 1) with GPipe,
-  2(P - 1) / (k + 2(P - 1)) with the lockstep 1F1B of :func:`one_f_one_b`."""
-  check_stages(stages, microbatches)
+  """The fraction of a step each stage idles when k = `microbatches` >= 1 run (fewer than
+  the stages only as a ramp's count): (P - 1) / (k + P - 1) with GPipe, 2(P - 1) /
+  (k + 2(P - 1)) with the lockstep 1F1B of :func:`one_f_one_b`."""
+  check_stages(stages, max(microbatches, stages) if microbatches >= 1 else microbatches)
   fill = (stages - 1) * (2 if check_schedule(schedule) == "1f1b" else 1)
   return fill / (microbatches + fill)
 

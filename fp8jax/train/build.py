@@ -22,7 +22,7 @@ from fp8jax.parallel.zero import ZeroPlan
 from fp8jax.train.memory import GiB, step_bytes
 from fp8jax.train.optimizer import make_fused_update, make_optimizer, schedule_for
 from fp8jax.train.model import RunModel
-from fp8jax.train.step import PipelineLoop, TrainStep, build_step
+from fp8jax.train.step import GroupLoop, PipelineLoop, TrainStep, UniformLoop, build_step
 
 AUTO_FIELDS = ("attention_impl", "remat_policy", "scan_layers")
 # Share of a device's memory (the allocator's limit) a step chosen by resolve_auto may fill.
@@ -274,15 +274,39 @@ def pipeline_loop(config, plan: ZeroPlan, model) -> PipelineLoop | None:
   into its parts, the configured schedule on the plan's mesh); None without stages."""
   if config.parallel.pipeline_parallel_size == 1:
     return None
-  return PipelineLoop(plan.mesh, model.parts(), config.parallel.pipeline_schedule)
+  t = config.train
+  return PipelineLoop(plan.mesh, model.parts(), config.parallel.pipeline_schedule,
+                      microbatch_size=t.microbatch_size, dynamic=t.batch_ramp is not None,
+                      matrix_dtype=config.model.dtype if config.model.builder is None else None)
+
+
+def step_loop(config, plan: ZeroPlan, model, microbatches: int,
+              counts_fn: Callable[[int], Sequence[int]] | None = None):
+  """The microbatch loop of a run's step of `microbatches` microbatches: the pipeline's
+  (stages), the per-group loop (`counts_fn`, balanced runs; or FP8 gradient communication;
+  layer-major at ZeRO-3 for a model with ``parts()``), else the uniform loop."""
+  c, t = config, config.train
+  pipeline = pipeline_loop(c, plan, model)
+  if pipeline is not None:
+    return pipeline
+  dynamic = t.batch_ramp is not None
+  if counts_fn is not None or c.grad_comm() == "fp8":
+    return GroupLoop(plan.mesh, grad_comm=c.grad_comm(),
+                     comm_scaling=c.parallel.grad_comm_scaling,
+                     growth_interval=c.grad_comm_growth_interval(),
+                     parts=model.parts() if callable(getattr(model, "parts", None)) else None,
+                     layer_stacks=tuple(getattr(model, "layer_stacks", ())), counts=counts_fn,
+                     microbatch_size=t.microbatch_size, dynamic=dynamic)
+  return UniformLoop(t.microbatch_size, dynamic, weight_cast_fn(c, model, microbatches),
+                     c.model.dtype if c.model.builder is None else None)
 
 
 class StepCache:
   """The run's compiled train steps: one per model, or one per (model, microbatch count) when
   the count is fixed per step.
 
-  With a batch ramp (``train.batch_ramp``) the step is dynamic (``build_step(...,
-  dynamic=True)``): the microbatch count is data, so every step of the ramp runs one compiled
+  With a batch ramp (``train.batch_ramp``) the step is dynamic (its loop's ``dynamic``,
+  :func:`step_loop`): the microbatch count is data, so every step of the ramp runs one compiled
   program built for the largest count.
 
   Args:
@@ -310,16 +334,9 @@ class StepCache:
       microbatches = c.train.microbatches
     key = (id(model), microbatches)
     if key not in self._steps:
-      self._steps[key] = (model, build_step(
-          model.apply, self.tx, self.plan, microbatches, counts=self.counts_fn,
-          dynamic=self.dynamic, microbatch_size=c.train.microbatch_size,
-          grad_comm=c.grad_comm(), comm_scaling=c.parallel.grad_comm_scaling,
-          growth_interval=c.grad_comm_growth_interval(), fused_update=self.fused_update,
-          cast_weights=weight_cast_fn(c, model, microbatches),
-          matrix_dtype=c.model.dtype if c.model.builder is None else None,
-          parts=model.parts() if callable(getattr(model, "parts", None)) else None,
-          layer_stacks=getattr(model, "layer_stacks", ()),
-          pipeline=pipeline_loop(c, self.plan, model)))
+      loop = step_loop(c, self.plan, model, microbatches, self.counts_fn)
+      self._steps[key] = (model, build_step(model.apply, self.tx, self.plan, microbatches,
+                                            loop, fused_update=self.fused_update))
     return self._steps[key][1]
 
   def built(self) -> list[tuple]:

@@ -93,6 +93,13 @@ class GroupLoop:
       None: the parameters enter whole (XLA gathers them before the loop).
     layer_stacks: top-level parameter keys holding layer stacks (leaves [L, ...]; one split
       along the layer axis enters whole).
+    counts: for :func:`build_step`: ``k -> microbatches per group`` (one count >= 0 per
+      group, summing to k) for a step of k microbatches, or None: every group runs every
+      microbatch, each on its 1/G of the sequences (the uniform split).
+    microbatch_size: for :func:`build_step`: sequences per microbatch (needed with `counts`
+      or `dynamic`).
+    dynamic: for :func:`build_step`: steps of any k up to its `microbatches` (a batch ramp),
+      one program for every k.
   """
 
   mesh: Mesh
@@ -103,6 +110,9 @@ class GroupLoop:
   weight_gather: fsdp.WeightGather | None = None
   parts: Any = None
   layer_stacks: tuple[str, ...] = ()
+  counts: Callable[[int], Sequence[int]] | None = None
+  microbatch_size: int | None = None
+  dynamic: bool = False
 
   def __post_init__(self):
     grad_comm_lib.check_options(self.grad_comm, self.comm_scaling, self.growth_interval)
@@ -144,6 +154,36 @@ class GroupLoop:
         matrix_dtype=getattr(self.parts, "compute_dtype", None),
         payload_dtype=self.weight_gather.payload_dtype,
         reduce=grad_comm_lib.fp8_sum_into if self.grad_comm == "fp8" else None)
+
+  def program(self, apply_fn, tx, plan: ZeroPlan, microbatches: int, fused_update=None):
+    """(step, place, batch shardings) for :func:`build_step`: the per-group step on `plan`
+    (its ZeRO-3 gather unless :attr:`weight_gather` is given) and the host batch laid out
+    per group (``fp8jax.parallel.layout``: int32[G, slots, m, T+1] and the counts)."""
+    loop = self if self.weight_gather is not None else dataclasses.replace(
+        self, weight_gather=plan.weight_gather())
+    n, m, sharding = loop.groups, self.microbatch_size, plan.batch
+    if self.counts is not None:
+      split = functools.lru_cache(maxsize=None)(
+          lambda k: _checked_counts(self.counts(k), k, n))
+      arrange = lambda batch, k, c: layout.layout_counts(batch, c, m)
+    else:
+      if m is not None and m % n:
+        raise ValueError(f"parallel.grad_comm='fp8': a microbatch of {m} sequences does not "
+                         f"split over the {n} data-parallel ranks; use a microbatch size "
+                         f"that is a multiple of {n}")
+      split = lambda k: (k,) * n
+      arrange = lambda batch, k, c: layout.layout_split(batch, k, n)
+    sizes = range(1, microbatches + 1) if self.dynamic else (microbatches,)
+    slots = max(max(split(k)) for k in sizes)
+
+    def place(batch):
+      k = _microbatch_count(batch, microbatches, m, self.dynamic)
+      c = split(k)
+      laid = _pad_to(arrange(batch, k, c), 1, slots)
+      return (layout.put_global(laid, sharding),
+              layout.put_global(np.asarray(c, np.int32), sharding))
+    step = make_train_step(apply_fn, tx, microbatches, groups=loop, fused_update=fused_update)
+    return step, place, (sharding, sharding)
 
   @property
   def groups(self) -> int:
@@ -269,11 +309,16 @@ class PipelineLoop:
       ``model.parts()``).
     schedule: "gpipe" (all forwards, then all backwards: k kept inputs per stage) or "1f1b"
       (interleaved: at most 2P - 1 kept inputs, a larger bubble; ``fp8jax.parallel.pipeline``).
+    microbatch_size, dynamic: for :func:`build_step`, as :class:`UniformLoop`'s.
+    matrix_dtype: for :func:`build_step`, as :func:`make_train_step`'s.
   """
 
   mesh: Mesh
   parts: Any
   schedule: str = "gpipe"
+  microbatch_size: int | None = None
+  dynamic: bool = False
+  matrix_dtype: Any = None
 
   def __post_init__(self):
     pipeline_lib.check_schedule(self.schedule)
@@ -294,6 +339,47 @@ class PipelineLoop:
   def stage_fns(self) -> pipeline_lib.Stages:
     """The model as the schedule's first / stage / last functions (:func:`stages_of`)."""
     return stages_of(self.parts)
+
+  def program(self, apply_fn, tx, plan: ZeroPlan, microbatches: int, fused_update=None):
+    """(step, place, batch shardings) for :func:`build_step`: the pipeline step with the
+    plan's gradient layout (`microbatches` >= the stages) and the batch over the batch axes
+    (with :attr:`dynamic`, padded, plus its count)."""
+    if self.mesh != plan.mesh:
+      raise ValueError("build_step: the PipelineLoop's mesh is not the plan's")
+    step = make_train_step(apply_fn, tx, microbatches, pipeline=self,
+                           reduce_gradients=plan.reduce_fn(), fused_update=fused_update,
+                           matrix_dtype=self.matrix_dtype)
+    return (step, *_batch_placement(plan, self.dynamic, microbatches, self.microbatch_size))
+
+
+@dataclasses.dataclass(frozen=True)
+class UniformLoop:
+  """The uniform loop's settings (:func:`scan_microbatches`): every data-parallel rank runs
+  its share of every microbatch; the plan's gradient layout (ZeRO) and, at ZeRO-3, each
+  parameter gathered where the model uses it.
+
+  Attributes:
+    microbatch_size: sequences per microbatch (needed with `dynamic`).
+    dynamic: the step takes a batch of any whole number k in [1, microbatches] of
+      microbatches of `microbatch_size` sequences (a batch ramp): the host pads it to the
+      largest shape and passes k as data, so one compiled program serves every k.
+    cast_weights, matrix_dtype: as :func:`make_train_step`'s (`cast_weights` below ZeRO-3
+      only: at 3 the weights are cast where they are gathered).
+  """
+
+  microbatch_size: int | None = None
+  dynamic: bool = False
+  cast_weights: Callable | None = None
+  matrix_dtype: Any = None
+
+  def program(self, apply_fn, tx, plan: ZeroPlan, microbatches: int, fused_update=None):
+    """(step, place, batch shardings) for :func:`build_step`."""
+    weight_gather = plan.weight_gather()
+    step = make_train_step(apply_fn, tx, microbatches, weight_gather=weight_gather,
+                           reduce_gradients=plan.reduce_fn(), fused_update=fused_update,
+                           cast_weights=self.cast_weights if weight_gather is None else None,
+                           matrix_dtype=self.matrix_dtype)
+    return (step, *_batch_placement(plan, self.dynamic, microbatches, self.microbatch_size))
 
 
 def pipeline_microbatches(loop: PipelineLoop, variables, batch, microbatches: int, count=None):
@@ -521,126 +607,63 @@ class TrainStep(NamedTuple):
     return self.jitted(state, *self.place(batch))
 
 
-def _uniform_placement(mesh, sharding, dynamic: bool, microbatches: int,
-                       microbatch_size: int | None, size_of: Callable):
+def _microbatch_count(batch, microbatches: int, microbatch_size: int | None,
+                      dynamic: bool) -> int:
+  """The microbatch count k of a host `batch`: `microbatches`, or with `dynamic` its rows /
+  `microbatch_size` (ValueError unless a whole number in [1, microbatches])."""
+  if not dynamic:
+    return microbatches
+  k, rest = divmod(batch.shape[0], microbatch_size)
+  if rest or not 1 <= k <= microbatches:
+    raise ValueError(f"a batch of {batch.shape[0]} sequences is not 1..{microbatches} "
+                     f"microbatches of {microbatch_size} sequences")
+  return k
+
+
+def _batch_placement(plan: ZeroPlan, dynamic: bool, microbatches: int,
+                     microbatch_size: int | None):
   """(place, batch shardings) of a step taking ``batch int32[B, T+1]`` sharded over the
-  batch axes, and with `dynamic` the batch padded to `microbatches` microbatches plus its
-  count k (an int32 scalar, replicated)."""
+  plan's batch axes, and with `dynamic` the batch padded to `microbatches` microbatches plus
+  its count k (an int32 scalar, replicated)."""
+  sharding = plan.batch  # the batch axes (not the ZeRO axes, which may be fewer)
   if not dynamic:
     return (lambda batch: (layout.put_global(batch, sharding),)), (sharding,)
-  rows, scalar = microbatches * microbatch_size, layout.replicated(mesh)
-  place = lambda batch: (layout.put_global(_pad_to(batch, 0, rows), sharding),
-                         layout.put_global(np.int32(size_of(batch)), scalar))
+  rows, scalar = microbatches * microbatch_size, layout.replicated(plan.mesh)
+  place = lambda batch: (
+      layout.put_global(_pad_to(batch, 0, rows), sharding),
+      layout.put_global(np.int32(_microbatch_count(batch, microbatches, microbatch_size,
+                                                   True)), scalar))
   return place, (sharding, scalar)
 
 
+Loop = UniformLoop | GroupLoop | PipelineLoop
+
+
 def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroPlan,
-               microbatches: int, *, counts: Callable[[int], Sequence[int]] | None = None,
-               dynamic: bool = False, microbatch_size: int | None = None,
-               grad_comm: str = "native", comm_scaling: str = "current",
-               growth_interval: int = 1000, fused_update: Callable | None = None,
-               cast_weights: Callable | None = None, matrix_dtype=None,
-               skip_nonfinite: bool = True, parts=None,
-               layer_stacks: Sequence[str] = ("layers",),
-               pipeline: PipelineLoop | None = None) -> TrainStep:
-  """The jitted step of `plan`'s layout for a step of `microbatches` microbatches.
+               microbatches: int, loop: Loop | None = None, *,
+               fused_update: Callable | None = None, skip_nonfinite: bool = True) -> TrainStep:
+  """The jitted step of `plan`'s layout for steps of `microbatches` microbatches (with a
+  dynamic loop, at most that many): `loop`'s step and batch placement
+  (:class:`UniformLoop`, the default; :class:`GroupLoop`: per-group counts or FP8 gradient
+  communication; :class:`PipelineLoop`: the plan's mesh has pipeline stages), wrapped with
+  the update, the non-finite guard and ``jax.jit`` on the plan's shardings.
 
   Args:
-    microbatches: microbatches per step; with `dynamic`, the most a step may have.
-    counts: optional ``k -> microbatches per data-parallel group`` (one count per group,
-      summing to k) for a step of k microbatches: the per-group loop with these counts.
-    dynamic: the step takes a batch of any whole number k in [1, microbatches] of
-      microbatches of `microbatch_size` sequences (a batch-size ramp). The host pads it to
-      the largest shape and passes k (or the groups' counts) as data: one compiled program
-      serves every k.
-    microbatch_size: sequences per microbatch (needed with `counts` or `dynamic`).
+    fused_update: as :func:`make_train_step`'s.
     skip_nonfinite: wrap the step in ``guards.skip_nonfinite_steps`` (metrics gain
       ``skipped``).
-    parts: the model cut into parts (``model.parts()``), or None: at ZeRO-3 the per-group
-      loop then runs layer-major (:class:`GroupLoop`), else it gets the parameters whole.
-    layer_stacks: see :class:`GroupLoop` (the reference families scan "layers").
-    pipeline: the pipeline loop's settings (:class:`PipelineLoop` on the plan's mesh);
-      needed when that mesh has pipeline stages, refused otherwise.
-    Other arguments: as for :func:`make_train_step`.
-
-  On a mesh with a "pipe" axis the loop is the pipeline's (:func:`pipeline_microbatches`,
-  with the plan's gradient layout; `microbatches` >= the stages; with `dynamic`; not with
-  `counts`, `grad_comm` "fp8" or `cast_weights`).
-
-  The loop is per group when `counts` is given or `grad_comm` is "fp8" (every group then
-  runs all microbatches on its 1/G of each: the uniform split); else the uniform loop with
-  the plan's gradient layout, ZeRO-3 gathering each parameter where the model uses it
-  (`cast_weights` applies there below ZeRO-3, `matrix_dtype` at every stage; neither is used
-  in the per-group loop).
   """
+  loop = UniformLoop() if loop is None else loop
   mesh = plan.mesh
-  group_loop = counts is not None or grad_comm == "fp8"
-  if (counts is not None or dynamic) and microbatch_size is None:
+  if isinstance(loop, PipelineLoop) != (pipe_size(mesh) > 1):
+    raise ValueError(f"build_step: a plan whose mesh has {pipe_size(mesh)} pipeline stages "
+                     f"needs {'a' if pipe_size(mesh) > 1 else 'no'} PipelineLoop, got "
+                     f"{type(loop).__name__}")
+  wants_size = loop.dynamic or getattr(loop, "counts", None) is not None
+  if wants_size and loop.microbatch_size is None:
     raise ValueError("build_step: counts and dynamic need microbatch_size (sequences per "
                      "microbatch)")
-  sharding = plan.batch  # the batch axes (not the ZeRO axes, which may be fewer)
-  sizes = range(1, microbatches + 1) if dynamic else (microbatches,)
-
-  def size_of(batch) -> int:  # the batch's microbatch count k
-    if not dynamic:
-      return microbatches
-    k, rest = divmod(batch.shape[0], microbatch_size)
-    if rest or not 1 <= k <= microbatches:
-      raise ValueError(f"a batch of {batch.shape[0]} sequences is not 1..{microbatches} "
-                       f"microbatches of {microbatch_size} sequences")
-    return k
-
-  if (pipeline is not None) != (pipe_size(mesh) > 1) or (
-      pipeline is not None and pipeline.mesh != mesh):
-    raise ValueError(f"build_step: a plan whose mesh has {pipe_size(mesh)} pipeline stages "
-                     f"needs {'a PipelineLoop on that mesh' if pipe_size(mesh) > 1 else 'no'} "
-                     f"pipeline, got {pipeline!r}")
-  if pipeline is not None:
-    unsupported = {"counts": counts is not None, "grad_comm='fp8'": grad_comm == "fp8",
-                   "cast_weights": cast_weights is not None}
-    if any(unsupported.values()):
-      raise ValueError(f"build_step: pipeline parallelism ({pipe_size(mesh)} stages) does not "
-                       f"support {[k for k, v in unsupported.items() if v]} yet; leave them out")
-    step = make_train_step(apply_fn, tx, microbatches, pipeline=pipeline,
-                           reduce_gradients=plan.reduce_fn(), fused_update=fused_update,
-                           matrix_dtype=matrix_dtype)
-    place, batch_shardings = _uniform_placement(mesh, sharding, dynamic, microbatches,
-                                                microbatch_size, size_of)
-  elif group_loop:
-    loop = GroupLoop(mesh, grad_comm=grad_comm, comm_scaling=comm_scaling,
-                     growth_interval=growth_interval, weight_gather=plan.weight_gather(),
-                     parts=parts, layer_stacks=tuple(layer_stacks))
-    n = loop.groups
-    if counts is not None:
-      split = functools.lru_cache(maxsize=None)(
-          lambda k: _checked_counts(counts(k), k, n))
-      arrange = lambda batch, k, c: layout.layout_counts(batch, c, microbatch_size)
-    else:
-      if microbatch_size is not None and microbatch_size % n:
-        raise ValueError(f"parallel.grad_comm='fp8': a microbatch of {microbatch_size} "
-                         f"sequences does not split over the {n} data-parallel ranks; use a "
-                         f"microbatch size that is a multiple of {n}")
-      split = lambda k: (k,) * n
-      arrange = lambda batch, k, c: layout.layout_split(batch, k, n)
-    slots = max(max(split(k)) for k in sizes)
-    step = make_train_step(apply_fn, tx, microbatches, groups=loop,
-                           fused_update=fused_update)
-
-    def place(batch):
-      k = size_of(batch)
-      c = split(k)
-      laid = _pad_to(arrange(batch, k, c), 1, slots)
-      return (layout.put_global(laid, sharding),
-              layout.put_global(np.asarray(c, np.int32), sharding))
-    batch_shardings: tuple = (sharding, sharding)
-  else:
-    weight_gather = plan.weight_gather()
-    step = make_train_step(apply_fn, tx, microbatches, weight_gather=weight_gather,
-                           reduce_gradients=plan.reduce_fn(), fused_update=fused_update,
-                           cast_weights=cast_weights if weight_gather is None else None,
-                           matrix_dtype=matrix_dtype)
-    place, batch_shardings = _uniform_placement(mesh, sharding, dynamic, microbatches,
-                                                microbatch_size, size_of)
+  step, place, batch_shardings = loop.program(apply_fn, tx, plan, microbatches, fused_update)
   if skip_nonfinite:
     inside = ("params", "opt_state") if fused_update is not None else ()
     step = guards.skip_nonfinite_steps(step, skipped_inside=inside)

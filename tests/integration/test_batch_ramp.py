@@ -11,7 +11,7 @@ import pytest
 from fp8jax.config import load_config
 from fp8jax.train.build import model_and_optimizer
 from fp8jax.train.loop import Trainer
-from fp8jax.train.step import build_step
+from fp8jax.train.step import GroupLoop, build_step
 
 SMALL = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64",
          "model.max_seq_len=16", "data.seq_len=16", "data.max_bytes=200000",
@@ -122,7 +122,8 @@ def test_a_balanced_ramp_runs_one_per_group_step(caplog):
     batch, k = trainer.next_batch(step), cfg.microbatches_at(step)
     if step == 2:
       fixed = build_step(trainer.model.apply, trainer.tx, trainer.plan, k,
-                         counts=trainer.balanced_counts, microbatch_size=2)
+                         GroupLoop(trainer.plan.mesh, counts=trainer.balanced_counts,
+                                   microbatch_size=2))
       want_state, want = fixed(_copy(trainer.state), batch)
     with jax.log_compiles():
       trainer.state, got = trainer.step_fn(k)(trainer.state, batch)

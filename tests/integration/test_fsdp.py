@@ -121,10 +121,10 @@ def o3_programs():
                          level=level)
     built = build_step(model.apply, tx, plan, 1)
     out[n] = built.jitted.lower(abstract, *built.place(batch)).compile()
-  variants = {"fp8": dict(microbatches=1, grad_comm="fp8", microbatch_size=8),
-              "balanced": dict(microbatches=8, counts=lambda k: BALANCED, microbatch_size=1)}
-  for name, kw in variants.items():
-    built = build_step(model.apply, tx, plan, kw.pop("microbatches"), parts=model.parts(), **kw)
+  variants = {"fp8": (1, dict(grad_comm="fp8", microbatch_size=8)),
+              "balanced": (8, dict(counts=lambda k: BALANCED, microbatch_size=1))}
+  for name, (k, kw) in variants.items():
+    built = build_step(model.apply, tx, plan, k, GroupLoop(plan.mesh, parts=model.parts(), **kw))
     out[name] = built.jitted.lower(abstract, *built.place(batch)).compile()
   return out
 

@@ -16,7 +16,7 @@ from fp8jax.linen import FP8_COLLECTION
 from fp8jax.models.gpt import GPT, ModelConfig
 from fp8jax.recipe import opt_level
 from fp8jax.train.state import TrainState
-from fp8jax.train.step import build_step, make_train_step
+from fp8jax.train.step import GroupLoop, build_step, make_train_step
 from conftest import rel_err
 
 COUNTS = (1, 3, 0, 2, 0, 0, 1, 1)  # microbatches per data-parallel group (8 devices)
@@ -44,8 +44,9 @@ def _balanced(model, tx, state, batch, level, **kw):
   """One ZeRO-3 step over 8 devices with COUNTS per group (layer-major)."""
   plan = parallel.plan(state, parallel.make_mesh(), 3, level=opt_level(level))
   state = jax.tree.map(jnp.copy, state)  # the step donates its input
-  built = build_step(model.apply, tx, plan, sum(COUNTS), counts=lambda k: COUNTS,
-                     microbatch_size=MICROBATCH, parts=model.parts(), **kw)
+  loop = GroupLoop(plan.mesh, parts=model.parts(), counts=lambda k: COUNTS,
+                   microbatch_size=MICROBATCH, **kw)
+  built = build_step(model.apply, tx, plan, sum(COUNTS), loop)
   new, metrics = built(jax.device_put(state, plan.state), batch)
   return jax.device_get(new), jax.device_get(metrics)
 

@@ -129,7 +129,7 @@ def test_built_step_with_zero3_matches_one_device(data):
   ref, ref_metrics = jax.jit(make_train_step(model.apply, tx, K))(init(), batch)
   mesh = parallel.make_mesh(data=4, pipe=2)
   plan = parallel.plan(init(), mesh, 3, level=opt_level("O0"))
-  step = build_step(model.apply, tx, plan, K, pipeline=PipelineLoop(mesh, model.parts()))
+  step = build_step(model.apply, tx, plan, K, PipelineLoop(mesh, model.parts()))
   state, metrics = step(plan.shard_state(init()), batch)
   kernel = state.params["layers"]["mlp"]["fc_in"]["kernel"]
   assert kernel.sharding.spec == P("pipe", None, ("data", "fsdp"))
@@ -164,8 +164,8 @@ def test_built_step_with_a_ramp_or_llama_matches_one_device(data, family, count)
   ref, ref_metrics = jax.jit(make_train_step(model.apply, tx, k))(init(), batch)
   mesh = parallel.make_mesh(data=4, pipe=2)
   plan = parallel.plan(init(), mesh, 1, level=opt_level("O0"))
-  step = build_step(model.apply, tx, plan, K, dynamic=count is not None, microbatch_size=MB,
-                    pipeline=PipelineLoop(mesh, model.parts()))
+  loop = PipelineLoop(mesh, model.parts(), microbatch_size=MB, dynamic=count is not None)
+  step = build_step(model.apply, tx, plan, K, loop)
   state, metrics = step(plan.shard_state(init()), batch)
   assert abs(float(metrics["loss"]) - float(ref_metrics["loss"])) < 1e-6 * float(
       ref_metrics["loss"])
@@ -260,6 +260,7 @@ def test_bubble_fraction_and_stage_checks():
   assert pipeline.bubble_fraction(4, 12) == pytest.approx(3 / 15)
   assert pipeline.bubble_fraction(1, 5) == 0
   assert pipeline.bubble_fraction(4, 12, "1f1b") == pytest.approx(6 / 18)
+  assert pipeline.bubble_fraction(2, 1) == pytest.approx(1 / 2)  # a ramp's first count
   with pytest.raises(ValueError, match="pipeline schedule 'zb' is not allowed; use one of"):
     pipeline.bubble_fraction(2, 4, "zb")
   with pytest.raises(ValueError, match="2 stages needs at least 2 microbatches per step, got 1"):
