@@ -21,6 +21,7 @@ first, and generation stops at the next one.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from typing import Any, Iterable
@@ -292,15 +293,22 @@ class EvalResult:
     return math.exp(self.loss)
 
 
-def evaluate(model, variables, batches: Iterable, *, byte_level: bool = False) -> EvalResult:
-  """Next-token loss of `model` over `batches` (int32[B, T+1] each: inputs ``[:, :-1]``,
-  targets ``[:, 1:]``), forward passes only, jitted once per batch shape. `byte_level`:
-  report bits per byte (tokens are bytes). ValueError when there is no batch."""
+@functools.lru_cache(maxsize=8)
+def _loss_sum(model):
+  """Jitted ``(variables, batch int32[B, T+1]) -> summed next-token loss`` of `model`."""
   @jax.jit
   def loss_sum(variables, batch):
     logits = model.apply(variables, batch[:, :-1])
     return next_token_loss(logits, batch[:, 1:]) * batch[:, 1:].size
+  return loss_sum
 
+
+def evaluate(model, variables, batches: Iterable, *, byte_level: bool = False) -> EvalResult:
+  """Next-token loss of `model` over `batches` (int32[B, T+1] each: inputs ``[:, :-1]``,
+  targets ``[:, 1:]``), forward passes only, jitted once per model and batch shape.
+  `byte_level`: report bits per byte (tokens are bytes). ValueError when there is no
+  batch."""
+  loss_sum = _loss_sum(model)
   total, tokens, count = 0.0, 0, 0
   for batch in batches:
     batch = jnp.asarray(batch, jnp.int32)
