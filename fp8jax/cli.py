@@ -258,6 +258,11 @@ def cmd_eval(args) -> int:
   data = inference.eval_data(loaded, args.data, tokenizer=args.tokenizer,
                              batch_size=args.batch_size, seq_len=args.seq_len,
                              max_bytes=args.max_bytes)
+  saved = (loaded.corpus or {}).get("fingerprint")
+  if args.data is None and saved and data.data.fingerprint and saved != data.data.fingerprint:
+    print(f"fp8jax eval: warning: {loaded.name} was trained on other data "
+          f"({loaded.corpus.get('contents')}; now {data.data.contents}): the {args.split} "
+          "split is not the one of its run", file=sys.stderr)
   available = data.available(args.split)
   if available < 1:
     raise UsageError(f"the {args.split} split of {data.data.description} is too short for one "

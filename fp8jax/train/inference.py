@@ -111,6 +111,8 @@ class Loaded:
       known (a run on a ``.bin`` token file; a Hugging Face folder without tokenizer.json).
     tokenizer_source: where `tokenizer` comes from, in words (for messages).
     step: the checkpoint's step (None for a Hugging Face checkpoint).
+    corpus: the data record of the checkpoint (``fp8jax.train.resume.corpus_record``: its
+      fingerprint, description, contents), None when it has none.
   """
 
   name: str
@@ -123,6 +125,7 @@ class Loaded:
   tokenizer: str | None
   tokenizer_source: str
   step: int | None = None
+  corpus: dict | None = None
   _run: Any = None
 
   def codec(self, tokenizer: str | None = None) -> Codec:
@@ -226,6 +229,9 @@ def load_run(run_dir: str, *, step: int | None = None, dtype: str | None = None)
     raise ValueError(f"{run_dir} has no checkpoint of step {step}; its steps: "
                      f"{', '.join(map(str, steps))}")
   abstract = jax.eval_shape(init)
+  fallback = (manager.metadata(step) or {}).get("bf16_fallback")
+  if fallback:  # the run went on with BF16 GEMMs: its checkpoints hold no FP8 state
+    abstract = abstract._replace(fp8={})
   restored = manager.restore(abstract, _one_device(abstract), step=step)
   if restored is None:
     raise ValueError(f"no checkpoint of {run_dir} could be read (all damaged)")
@@ -239,7 +245,7 @@ def load_run(run_dir: str, *, step: int | None = None, dtype: str | None = None)
   return Loaded(f"step {restored.step} of {run_dir}", run.model_config,
                 state.model_params(), dict(state.fp8) or None, level.name,
                 level.recipe if level.recipe is not None else config.fp8.recipe(), config,
-                tokenizer, source, restored.step, run)
+                tokenizer, source, restored.step, restored.meta.get("corpus"), run)
 
 
 def load_hf(path: str, *, dtype: str | None = None) -> Loaded:
@@ -257,7 +263,7 @@ def load_hf(path: str, *, dtype: str | None = None) -> Loaded:
   return Loaded(f"{HF_PREFIX}{path}", config, params, None, "O0", Recipe(), None,
                 tokenizer if has_tokenizer else None,
                 f"{path} holds no tokenizer.json" if not has_tokenizer else
-                f"{path}/tokenizer.json", None)
+                f"{path}/tokenizer.json")
 
 
 def load(spec: str, *, step: int | None = None, dtype: str | None = None) -> Loaded:

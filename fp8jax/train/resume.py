@@ -4,8 +4,8 @@
 checkpoint carries the data position, the data's fingerprint, the config and the guards'
 records (skipped steps, the BF16 fallback reason); :meth:`RunCheckpoints.newest_meta` refuses
 a checkpoint of another model or level before restoring, :func:`check_same_data` one written
-on other data (the saved position would mean other batches). :func:`claim_run_dir` keeps a new run from mixing its logs
-and checkpoints with an earlier run's in the same folder.
+on other data (the saved position would mean other batches). :func:`claim_run_dir` keeps a
+new run from mixing its logs and checkpoints with an earlier run's in the same folder.
 """
 from __future__ import annotations
 

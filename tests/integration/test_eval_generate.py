@@ -176,3 +176,7 @@ def test_resuming_on_other_data_is_refused(run, tmp_path, capsys):
                             "data: Python stdlib source (")
   assert "300,000 bytes, fingerprint" in message and "200,000 bytes, fingerprint" in message
   assert "\n" not in message
+  # (its config.yaml now says 200 kB) eval says the split is not the run's
+  assert cli.main(["eval", str(copy), "--batches", "1", "--level", "O0"]) == 0
+  err = capsys.readouterr().err
+  assert f"fp8jax eval: warning: step {STEPS} of {copy} was trained on other data (" in err
