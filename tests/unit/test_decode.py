@@ -62,15 +62,14 @@ def test_llama_fixture_greedy_decoding_matches_full_recomputation(fixture, key):
 
 
 def test_gpt_greedy_decoding_matches_full_recomputation(key):
-  """GPT family (fused qkv, GELU MLP), bf16 at O0 and O1 (its training-time FP8 state)."""
+  """GPT family (MHA, GELU inside fc_out's FP8 cast, RMSNorm inside the casts), bf16 at O1
+  (the O0 path is the LLaMA test's)."""
   cfg = ModelConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, d_ff=128,
                     max_seq_len=32)
   prompt = jax.random.randint(key, (2, 5), 0, 256)
-  for recipe in (None, Recipe()):
-    variables = init_model(cfg, recipe, jax.random.fold_in(key, 1), 2, 8)
-    if recipe is not None:
-      variables = calibrate_fp8(GPT(cfg, recipe), variables, [prompt])
-    _check_greedy(GPT(cfg, recipe), variables, prompt, 10, atol=2e-2)
+  variables = init_model(cfg, Recipe(), jax.random.fold_in(key, 1), 2, 8)
+  variables = calibrate_fp8(GPT(cfg, Recipe()), variables, [prompt])
+  _check_greedy(GPT(cfg, Recipe()), variables, prompt, 10, atol=2e-2)
 
 
 def test_sampling_is_reproducible_and_stays_in_the_top_k(fixture, key):
