@@ -180,3 +180,16 @@ def test_resuming_on_other_data_is_refused(run, tmp_path, capsys):
   assert cli.main(["eval", str(copy), "--batches", "1", "--level", "O0"]) == 0
   err = capsys.readouterr().err
   assert f"fp8jax eval: warning: step {STEPS} of {copy} was trained on other data (" in err
+
+
+def test_a_run_longer_than_its_data_says_how_many_epochs(tmp_path, capsys):
+  """STEPS x 16 windows of 128 tokens from 5 kB of text (37 windows a training epoch): the
+  start says the run reads its training split 1.30 times."""
+  trainer = Trainer(_config(tmp_path / "short", "data.max_bytes=5000"), progress=False)
+  windows = trainer.train_batches.windows_per_epoch
+  assert trainer.epochs() == pytest.approx(STEPS * 16 / windows) and trainer.epochs() > 1
+  trainer._print_start(0, primary=True)
+  out = capsys.readouterr().out
+  assert (f"fp8jax train: data: the run's {STEPS * 16 * 128:,} training tokens are "
+          f"{trainer.epochs():.2f} epochs of the {len(trainer.data.train):,} of Python stdlib "
+          "source (") in out
