@@ -8,8 +8,7 @@ text on every machine:
     relative path (about 30 MB; it differs between Python versions);
   - ``"site-packages"``: the ``*.py`` files of the installed packages, under every folder of
     :func:`site_packages_roots` (sorted), each folder's files sorted by relative path; its
-    size is whatever is installed (a JAX-only environment holds ~100 MB, one with PyTorch and
-    transformers several times that).
+    size depends on what is installed.
 Byte-level tokens are the documents' bytes joined by :data:`DOC_SEPARATOR`.
 """
 from __future__ import annotations
