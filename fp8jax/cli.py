@@ -285,8 +285,8 @@ def cmd_eval(args) -> int:
   bpb = "" if result.bits_per_byte is None else f", {result.bits_per_byte:.4f} bits/byte"
   print(f"fp8jax eval: {loaded.name} at {level}" + (f" ({note})" if note else "") +
         f": loss {result.loss:.4f} nats/token, perplexity {result.perplexity:.3f}{bpb} over "
-        f"{result.batches} batches of {data.batch_size} x {data.seq_len} tokens of the "
-        f"{args.split} split of {data.data.description}")
+        f"{result.batches} batch{'es' if result.batches != 1 else ''} of {data.batch_size} x "
+        f"{data.seq_len} tokens of the {args.split} split of {data.data.description}")
   return 0
 
 

@@ -191,7 +191,8 @@ class Loaded:
         count[0] += 1
         yield jnp.asarray(batch, jnp.int32)
     variables = calibrate_fp8(model, {"params": self.params, FP8_COLLECTION: fp8}, counted())
-    return model, variables, f"FP8 scales calibrated on {count[0]} forward pass(es)"
+    passes = "1 forward pass" if count[0] == 1 else f"{count[0]} forward passes"
+    return model, variables, f"FP8 scales calibrated on {passes}"
 
 
 def _one_device(tree):

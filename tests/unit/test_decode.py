@@ -139,7 +139,7 @@ def test_evaluate_the_fixture_against_its_reference_logits(fixture):
   assert loaded.run_level == "O0" and loaded.fp8 is None and loaded.model_config.dtype == \
       "bfloat16"
   model, variables, note = loaded.at_level("O1", [ids[:, :-1]])
-  assert note == "FP8 scales calibrated on 1 forward pass(es)"
+  assert note == "FP8 scales calibrated on 1 forward pass"
   fp8 = inference.evaluate(model, variables, [ids], byte_level=True)
   assert abs(fp8.loss - ref) < 0.02 * ref and fp8.bits_per_byte == fp8.loss / np.log(2)
 
