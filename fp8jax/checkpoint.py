@@ -132,16 +132,31 @@ class CheckpointManager:
     keep: newest checkpoints kept (>= 1).
     keep_every: also keep every checkpoint whose step is a multiple of it (None: no).
     async_save: write in the background (True) or block in :meth:`save`.
+    read_only: only read (e.g. the checkpoints of a run still training): nothing on disk is
+      removed, renamed or written (torn saves are left alone, a damaged checkpoint is
+      skipped where it is); :meth:`save` raises ValueError.
   """
 
   def __init__(self, directory: str | os.PathLike, *, save_every: int = 0, keep: int = 3,
-               keep_every: int | None = None, async_save: bool = True):
+               keep_every: int | None = None, async_save: bool = True,
+               read_only: bool = False):
     _check_int("save_every", save_every, 0)
     _check_int("keep", keep, 1)
     _check_int("keep_every", keep_every, 1, allow_none=True)
     self.directory = os.path.abspath(os.fspath(directory))
     self.save_every = save_every
-    self.torn = self._remove_torn_saves()
+    self.read_only = bool(read_only)
+    self.torn = [] if self.read_only else self._remove_torn_saves()
+    if self.read_only:
+      absl = logging.getLogger("absl")
+      level = absl.level
+      absl.setLevel(logging.ERROR)  # orbax warns that a read-only manager saves nothing
+      try:
+        options = ocp.CheckpointManagerOptions(create=False, read_only=True)
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
+      finally:
+        absl.setLevel(level)
+      return
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, keep_period=keep_every,
                                            enable_async_checkpointing=async_save, create=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
@@ -188,6 +203,8 @@ class CheckpointManager:
 
   def save(self, step: int, state, meta: dict | None = None) -> bool:
     """Starts saving `state` and `meta` as step `step` (returns False if it exists)."""
+    if self.read_only:
+      raise ValueError(f"the checkpoint manager of {self.directory} is read-only")
     _check_int("step", step, 0)
     if step in self._manager.all_steps():
       return False
@@ -277,9 +294,10 @@ class CheckpointManager:
     self._manager.reload()
 
   def _set_aside(self, step: int) -> None:
-    """Renames a damaged step directory so it is neither restored again nor overwritten."""
+    """Renames a damaged step directory so it is neither restored again nor overwritten
+    (read-only: leaves it where it is)."""
     src = os.path.join(self.directory, str(step))
-    if jax.process_index() == 0 and os.path.isdir(src):
+    if jax.process_index() == 0 and os.path.isdir(src) and not self.read_only:
       os.rename(src, os.path.join(self.directory, f"{DAMAGED_PREFIX}{step}-{int(time.time())}"))
     self._manager.reload()
 

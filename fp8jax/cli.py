@@ -15,7 +15,10 @@ lists the devices, says whether FP8 GEMMs run natively or emulated (and why), an
 one Dense layer's forward+backward in FP8 against BF16: relative error of output, input
 gradient and weight gradient vs a float64 reference, and time per step. ``fp8jax bench
 mlp|step|optim|comm|all``: fp8jax's speed claims measured on this machine, each against its
-baselines in the same process (``fp8jax.bench``).
+baselines in the same process (``fp8jax.bench``). ``fp8jax eval RUN_DIR|hf:DIR --data
+SOURCE``: loss, perplexity and bits per byte of a run's checkpoint or a Hugging Face one, at
+BF16 or an FP8 level; ``fp8jax generate RUN_DIR|hf:DIR --prompt TEXT``: sampled text with a
+key/value cache (``fp8jax.train.inference``).
 
 Errors: bad input (a missing file, a config value, a data problem: an ``OSError``, or a
 ``ValueError`` that fp8jax raises about its input) prints one line ``fp8jax: error: ...`` on
@@ -234,6 +237,80 @@ def cmd_tokenizer_train(args) -> int:
                               max_bytes=args.max_bytes)
   print(f"fp8jax tokenizer train: {tokenizer.get_vocab_size()} ids written to {args.output} "
         f"(use it with --set data.tokenizer={args.output})")
+  return 0
+
+
+def _calibration(data, count: int):
+  """Model inputs int32[B, T] of the first `count` batches of `data`'s train split (made when
+  first read: only a model without FP8 state calibrates)."""
+  available = data.available("train")
+  if available < 1:
+    raise UsageError(f"the train split of {data.data.description} is too short to calibrate "
+                     "FP8 scales on; use --level O0 or more data")
+  for batch in data.batches("train", min(count, available)):
+    yield batch[:, :-1]
+
+
+def cmd_eval(args) -> int:
+  import json
+  from fp8jax.train import inference
+  loaded = inference.load(args.model, step=args.step, dtype=args.dtype)
+  data = inference.eval_data(loaded, args.data, tokenizer=args.tokenizer,
+                             batch_size=args.batch_size, seq_len=args.seq_len,
+                             max_bytes=args.max_bytes)
+  saved = (loaded.corpus or {}).get("fingerprint")
+  if args.data is None and saved and data.data.fingerprint and saved != data.data.fingerprint:
+    print(f"fp8jax eval: warning: {loaded.name} was trained on other data "
+          f"({loaded.corpus.get('contents')}; now {data.data.contents}): the {args.split} "
+          "split is not the one of its run", file=sys.stderr)
+  available = data.available(args.split)
+  if available < 1:
+    raise UsageError(f"the {args.split} split of {data.data.description} is too short for one "
+                     f"batch of {data.batch_size} x {data.seq_len} tokens; lower --batch-size "
+                     "or --seq-len")
+  model, variables, note = loaded.at_level(args.level,
+                                           _calibration(data, args.calibration_batches))
+  count = min(args.batches, available)
+  result = inference.evaluate(model, variables, data.batches(args.split, count),
+                              byte_level=data.byte_level)
+  level = args.level or loaded.run_level
+  if args.json:
+    print(json.dumps({"model": loaded.name, "step": loaded.step, "level": level,
+                      "fp8_state": note or None, "data": data.data.description,
+                      "split": args.split, "batches": result.batches,
+                      "batch_size": data.batch_size, "seq_len": data.seq_len,
+                      "tokens": result.tokens, "loss": result.loss,
+                      "perplexity": result.perplexity, "bits_per_byte": result.bits_per_byte}))
+    return 0
+  bpb = "" if result.bits_per_byte is None else f", {result.bits_per_byte:.4f} bits/byte"
+  print(f"fp8jax eval: {loaded.name} at {level}" + (f" ({note})" if note else "") +
+        f": loss {result.loss:.4f} nats/token, perplexity {result.perplexity:.3f}{bpb} over "
+        f"{result.batches} batch{'es' if result.batches != 1 else ''} of {data.batch_size} x "
+        f"{data.seq_len} tokens of the {args.split} split of {data.data.description}")
+  return 0
+
+
+def cmd_generate(args) -> int:
+  from fp8jax.train import inference
+  loaded = inference.load(args.model, step=args.step, dtype=args.dtype)
+  codec = loaded.codec(args.tokenizer)
+  ids = inference.prompt_ids(codec, args.prompt, loaded.vocab_size)
+  room = (loaded.max_seq_len or ids.shape[1] + 1) - ids.shape[1]
+  if room < 1:
+    raise UsageError(f"the prompt's {ids.shape[1]} tokens fill {loaded.name}'s max_seq_len="
+                     f"{loaded.max_seq_len}; shorten it")
+  new = min(128, room) if args.max_new_tokens is None else args.max_new_tokens
+  model, variables, note = loaded.at_level(args.level, [ids])  # FP8: calibrated on the prompt
+  top_k = min(args.top_k, loaded.vocab_size or args.top_k)
+  out = inference.generate_text(model, variables, codec, args.prompt, max_new_tokens=new,
+                                temperature=args.temperature, top_k=top_k, seed=args.seed)
+  level = args.level or loaded.run_level
+  how = "greedy" if args.temperature == 0 else \
+      f"temperature {args.temperature:g}" + (f", top-k {top_k}" if top_k else "")
+  end = "; stopped at the document separator" if out.stopped else ""
+  print(f"fp8jax generate: {loaded.name} at {level}" + (f" ({note})" if note else "") +
+        f", {codec.describe()}: {len(out.tokens)} new tokens, {how}{end}", file=sys.stderr)
+  print(args.prompt + out.text)
   return 0
 
 
@@ -469,9 +546,57 @@ def build_parser() -> argparse.ArgumentParser:
   tok_train.add_argument("--max-bytes", type=int, default=4 << 20,
                          help="text bytes read at most (default 4 MiB)")
   tok_train.set_defaults(func=cmd_tokenizer_train)
+  model_help = ("a run folder of fp8jax train (its newest checkpoint) or hf:DIR (a Hugging "
+                "Face LLaMA checkpoint)")
+  common = argparse.ArgumentParser(add_help=False)
+  common.add_argument("model", metavar="RUN_DIR|hf:DIR", help=model_help)
+  common.add_argument("--level", default=None, type=str.upper,
+                      choices=("O0", "O1", "O2", "O3"),
+                      help="O0 (BF16 GEMMs) or O1-O3 (FP8 GEMMs; the levels differ only in "
+                           "training). Default: the run's level; O0 for hf:DIR. FP8 scales "
+                           "come from the run's checkpoint, else from forward passes")
+  common.add_argument("--step", type=int, default=None,
+                      help="the run's checkpoint step (default: the newest)")
+  common.add_argument("--tokenizer", default=None, metavar="PATH|bytes",
+                      help="tokenizer.json for text (default: the run's data.tokenizer, or "
+                           "DIR/tokenizer.json); 'bytes': byte-level ids")
+  common.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
+                      help="compute dtype (default: the run's; bfloat16 for hf:DIR)")
+  ev = sub.add_parser("eval", parents=[common],
+                      help="loss, perplexity and bits per byte of a checkpoint on a token "
+                           "source, at BF16 or an FP8 level")
+  ev.add_argument("--data", default=None, metavar="SOURCE",
+                  help="stdlib, site-packages, text files/dirs/globs or a .bin (default: the "
+                       "run's data.source)")
+  ev.add_argument("--split", default="val", choices=("val", "train"),
+                  help="the split of SOURCE (default val: its last data.val_fraction)")
+  ev.add_argument("--batches", type=int, default=50,
+                  help="batches evaluated at most, in order (default 50)")
+  ev.add_argument("--batch-size", type=int, default=None,
+                  help="sequences per batch (default: the run's microbatch; 8 for hf:DIR)")
+  ev.add_argument("--seq-len", type=int, default=None,
+                  help="tokens per sequence (default: the run's; min(max_seq_len, 1024))")
+  ev.add_argument("--max-bytes", type=int, default=None,
+                  help="text bytes read at most (default: the run's data.max_bytes; 32 MiB)")
+  ev.add_argument("--calibration-batches", type=int, default=4,
+                  help="train-split batches whose forward passes set FP8 scales when the "
+                       "checkpoint has none (default 4)")
+  ev.add_argument("--json", action="store_true", help="print one JSON object")
+  ev.set_defaults(func=cmd_eval)
+  gen = sub.add_parser("generate", parents=[common],
+                       help="continue a prompt with a key/value cache (gpt and llama)")
+  gen.add_argument("--prompt", required=True, help="the text to continue")
+  gen.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens generated at most (default: 128, or what max_seq_len leaves)")
+  gen.add_argument("--temperature", type=float, default=0.8,
+                   help="0: greedy (argmax); > 0: sampling temperature (default 0.8)")
+  gen.add_argument("--top-k", type=int, default=40,
+                   help="sample among the k most likely tokens (0: all; default 40)")
+  gen.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
+  gen.set_defaults(func=cmd_generate)
   bench.configure(sub.add_parser("bench", help="measure fp8jax's speed claims here: mlp, step, "
                                  "optim, comm or all, each against its baselines in one run"))
-  for command in (check, train, prof, launch, plot, sim, conv, tok, tok_train):
+  for command in (check, train, prof, launch, plot, sim, conv, tok, tok_train, ev, gen):
     _add_debug(command, top=False)
   return parser
 

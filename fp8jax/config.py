@@ -383,9 +383,10 @@ _LLAMA_FIXED = {"mlp": "swiglu", "norm": "rmsnorm"}  # what LLaMA's blocks alway
 
 @dataclasses.dataclass(frozen=True)
 class DataSection(_Section):
-  """Token source: "stdlib" (this Python's standard library source) or a path or glob of text
-  files, as bytes or encoded by `tokenizer` (once, cached under `cache_dir`), or a path to a
-  pre-tokenized ``.bin`` token file (see ``fp8jax.data``)."""
+  """Token source: "stdlib" (this Python's standard library source), "site-packages" (the
+  installed packages' source) or a path or glob of text files, as bytes or encoded by
+  `tokenizer` (once, cached under `cache_dir`), or a path to a pre-tokenized ``.bin`` token
+  file (see ``fp8jax.data``)."""
   _path = "data"
   source: str = _field("stdlib", _NONEMPTY)
   tokenizer: str | None = _field(None, _NONEMPTY)

@@ -13,6 +13,11 @@ Usage::
 The FP8 state lives in the collection ``FP8_COLLECTION``; its "gradient" is its updated
 value, so the optimizer must only ever see ``grads["params"]``. Under ``nn.scan`` over layers
 put ``FP8_COLLECTION`` in ``variable_axes`` (state stacked on the layer axis).
+
+For inference of weights trained elsewhere (an imported checkpoint, a BF16 run evaluated with
+FP8 GEMMs): :func:`init_fp8_state` makes a model's FP8 state without initialising parameters,
+and :func:`calibrate_fp8` sets its forward scales from the amaxes of a few forward passes (no
+gradient); under ``nn.scan`` put ``CALIBRATION_COLLECTION`` in ``variable_axes`` too.
 """
 from __future__ import annotations
 
@@ -35,6 +40,10 @@ HEALTH_COLLECTION = "fp8_health"
 PERTURBATIONS = "perturbations"
 # Weights cast to FP8 once outside the model (see cast_weights): read by Fp8DotGeneral.
 WEIGHT_CAST_COLLECTION = "fp8_weight_cast"
+# Forward amaxes of each FP8 GEMM's operands, sown when the collection is mutable (see
+# calibrate_fp8): {"input": f32[], "kernel": f32[]} per GEMM, the max over its calls.
+CALIBRATION_COLLECTION = "fp8_calibration"
+_FORWARD_ROLES = ("input", "kernel")
 _ROLES = Fp8DotMeta._fields
 # Per apply (keyed weakly by the root scope): the meta passthrough of each FP8 GEMM's last
 # call, so that a second call of the same layer chains onto the first (updates combine by
@@ -58,10 +67,18 @@ def _chained(module: nn.Module, fn, lhs, rhs, *rest, activation: str | None = No
   if meta is None:
     meta = Fp8DotMeta(*(variables[role].value for role in _ROLES))
   probing = module.is_mutable_collection(HEALTH_COLLECTION) and not module.is_initializing()
-  if probing:
+  calibrating = (module.is_mutable_collection(CALIBRATION_COLLECTION)
+                 and not module.is_initializing())
+  if probing or calibrating:
     operand = (cast_transpose.activate(lhs, activation) if norm is None
                else cast_transpose.rms_norm(lhs, *norm))
+  if probing:
     _sow_cast_health(module, meta, operand, rhs)
+  if calibrating:
+    axes = tuple(getattr(module, "amax_axes", ()))
+    for role, x in zip(_FORWARD_ROLES, (operand, rhs)):
+      module.sow(CALIBRATION_COLLECTION, role, scaling.compute_amax(x, axes),
+                 reduce_fn=jnp.maximum, init_fn=lambda: jnp.zeros((), jnp.float32))
   y, chain[module.scope.path] = fn(lhs, rhs, *rest, meta)
   if probing:  # the probe differentiates w.r.t. this zero perturbation to see d loss / d y
     y = module.perturb("output", y, collection=PERTURBATIONS)
@@ -181,6 +198,8 @@ def dense_mlp_reason(module: nn.Module, x, names: tuple[str, str] = ("fc_in", "f
     return "initializing (the Dense layers create their variables)"
   if any(module.is_mutable_collection(c) for c in (HEALTH_COLLECTION, PERTURBATIONS)):
     return "the FP8 health probe watches each Dense layer"
+  if module.is_mutable_collection(CALIBRATION_COLLECTION):
+    return "calibration reads each Dense layer's operands"
   if fsdp.active() is not None:
     return "ZeRO-3 gathers each Dense layer's weight at its GEMM"
   found = _dense_mlp_variables(module, names, activation in cast_transpose.GATED)
@@ -347,3 +366,86 @@ def cast_weights(variables, recipe: Recipe, dtype=None) -> dict:
     for field, value in cast(kernel, meta)._asdict().items():
       out[path[:-1] + (field,)] = value
   return {WEIGHT_CAST_COLLECTION: traverse_util.unflatten_dict(out)} if out else {}
+
+
+def _is_meta(x) -> bool:
+  return isinstance(x, scaling.Fp8Meta)
+
+
+def init_fp8_state(model: nn.Module, *args, **kwargs) -> dict:
+  """The FP8 collection of `model` applied to `args` (arrays or ``jax.ShapeDtypeStruct``;
+  `kwargs` go to ``model.init`` too): every FP8 GEMM's state as never observed (scale 1, amax
+  history of zeros; :func:`fp8jax.scaling.init_meta`), stacked as the model stacks it. No
+  parameter is initialised: the tree comes from ``jax.eval_shape`` of ``model.init``. Returns
+  ``{}`` for a model without FP8 GEMMs; apply the model with ``{"params": ...,
+  FP8_COLLECTION: init_fp8_state(...)}``, then :func:`calibrate_fp8`."""
+  shapes = jax.eval_shape(lambda *a: model.init(jax.random.key(0), *a, **kwargs), *args)
+  return jax.tree.map(
+      lambda m: scaling.Fp8Meta(jnp.ones(m.scale.shape, jnp.float32),
+                                jnp.zeros(m.amax_history.shape, jnp.float32)),
+      dict(shapes.get(FP8_COLLECTION, {})), is_leaf=_is_meta)
+
+
+def forward_amaxes(model: nn.Module, variables, *args, **kwargs) -> dict:
+  """The amaxes of one forward pass ``model.apply(variables, *args, **kwargs)``: the
+  ``CALIBRATION_COLLECTION`` tree, ``{..GEMM path: {"input": amax, "kernel": amax}}`` (f32,
+  stacked like the FP8 state under ``nn.scan``): for "input" the amax of the operand the GEMM
+  casts (after its ``lhs_activation`` / ``lhs_norm``), for "kernel" of its weight; the max
+  over repeated calls of one GEMM. Forward only."""
+  _, sown = model.apply(variables, *args, mutable=[CALIBRATION_COLLECTION], **kwargs)
+  return dict(sown.get(CALIBRATION_COLLECTION, {}))
+
+
+def record_forward_amaxes(fp8_state, amaxes, recipe: Recipe) -> dict:
+  """`fp8_state` (an FP8 collection) with each GEMM's "input" and "kernel" states updated by
+  the amax :func:`forward_amaxes` recorded for it, as a training step's delayed update does
+  (:func:`fp8jax.scaling.update_meta` in ``recipe.fwd_format``; stacked states per layer).
+  States without a recorded amax (output gradients, GEMMs that did not run) are unchanged."""
+  flat = traverse_util.flatten_dict(dict(fp8_state), is_leaf=lambda _, x: _is_meta(x))
+  seen = traverse_util.flatten_dict(dict(amaxes))
+  out = {}
+  for path, meta in flat.items():
+    amax = seen.get(path)
+    if amax is None or path[-1] not in _FORWARD_ROLES or not _is_meta(meta):
+      out[path] = meta
+      continue
+    update = lambda m, a: scaling.update_meta(m, a, recipe, recipe.fwd_format)  # noqa: E731
+    for _ in range(jnp.ndim(meta.scale)):  # layer axes stacked by nn.scan
+      update = jax.vmap(update)
+    out[path] = update(meta, jnp.asarray(amax, jnp.float32))
+  return traverse_util.unflatten_dict(out)
+
+
+def calibrate_fp8(model: nn.Module, variables, batches, *, recipe: Recipe | None = None,
+                  **kwargs) -> dict:
+  """`variables` with the forward FP8 states of `model` ("input" and "kernel" of every FP8
+  GEMM) calibrated on `batches`: one jitted forward pass ``model.apply(variables, batch,
+  **kwargs)`` per batch whose amaxes (:func:`forward_amaxes`) are recorded into the amax
+  histories as a training step would (:func:`record_forward_amaxes`), so the scales cover
+  every batch seen (``amax_compute_algo="max"``). Only forward passes run, no gradient;
+  output-gradient states stay as they are (never observed after :func:`init_fp8_state`).
+
+  Args:
+    model: a linen module whose FP8 GEMMs are :class:`Fp8DotGeneral` / :class:`Fp8EinsumOp`
+      (under ``nn.scan``, ``CALIBRATION_COLLECTION`` in ``variable_axes``).
+    variables: ``{"params": ..., FP8_COLLECTION: ...}`` (e.g. from :func:`init_fp8_state`).
+    batches: an iterable of model inputs (e.g. int32[B, T] tokens), at least one.
+    recipe: the recipe of the scale updates (default: ``model.recipe``).
+  Returns the variables with the updated FP8 collection (params untouched).
+  Raises ValueError: no FP8 state, no recipe, no batch.
+  """
+  if not variables.get(FP8_COLLECTION):
+    raise ValueError(f"calibrate_fp8: the variables hold no '{FP8_COLLECTION}' state (make "
+                     "it with init_fp8_state(model, ...))")
+  recipe = recipe if recipe is not None else getattr(model, "recipe", None)
+  if not isinstance(recipe, Recipe):
+    raise ValueError(f"calibrate_fp8: no recipe (model.recipe is {recipe!r}); pass recipe=")
+  amaxes_of = jax.jit(lambda v, batch: forward_amaxes(model, v, batch, **kwargs))
+  record = jax.jit(lambda state, amaxes: record_forward_amaxes(state, amaxes, recipe))
+  state, count = variables[FP8_COLLECTION], 0
+  for batch in batches:
+    state = record(state, amaxes_of({**variables, FP8_COLLECTION: state}, batch))
+    count += 1
+  if count == 0:
+    raise ValueError("calibrate_fp8: no batch to calibrate on; pass at least one")
+  return {**variables, FP8_COLLECTION: state}

@@ -10,6 +10,15 @@ Sources:
         cached token file (:mod:`fp8jax.data.tokencache`) and memory-mapped;
   - one pre-tokenized ``.bin`` token file (:mod:`fp8jax.data.binfile`), memory-mapped.
 
+Built-in text corpora are named: ``"stdlib"`` (also `source` None) and ``"site-packages"``
+(:data:`fp8jax.data.files.BUILTIN_SOURCES`).
+
+Fingerprint (:attr:`TokenData.fingerprint`): a SHA-256 of what the token stream is made of,
+the same on every machine that has the same data: for text, each document's path relative to
+the documents' common folder and the bytes read from it (in order), the tokenizer file's
+SHA-256 and the separator; for a ``.bin``, its size, token count, dtype and the SHA-256 of its
+first and last MiB. A run stores it with its checkpoints and refuses to resume on other data.
+
 Split: the validation set is the contiguous *tail* of the token stream (the last
 `val_fraction` of tokens), the training set is everything before it; they share no token
 position (a document may straddle the boundary).
@@ -17,16 +26,23 @@ position (a document may straddle the boundary).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 from pathlib import Path
 
 import numpy as np
 
 from fp8jax.data import binfile
+from fp8jax.data import tokenizer as tokenizer_lib
 from fp8jax.data._checks import check_positive
 from fp8jax.data.batches import BatchIterator
-from fp8jax.data.files import BYTE_VOCAB, DEFAULT_MAX_BYTES, read_documents, source_files
+from fp8jax.data.files import (BYTE_VOCAB, DEFAULT_MAX_BYTES, builtin_source, read_documents,
+                               read_sizes, source_files)
 from fp8jax.data.tokencache import cached_tokens
+
+_EDGE_BYTES = 1 << 20  # a .bin's fingerprint hashes its first and last MiB
+_DESCRIPTIONS = {"stdlib": "Python stdlib source", "site-packages": "Python site-packages source"}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -41,6 +57,9 @@ class TokenData:
       1 when unchecked). Every id is below it.
     description: where the tokens came from (for messages and logs).
     cache_path: the tokenizer cache file the tokens are read from (None for other sources).
+    fingerprint: hex SHA-256 identifying the data (see the module docstring; "" when made
+      by hand).
+    contents: the data's size in words, e.g. "7,157 files, 114,093,120 bytes" (for messages).
   """
 
   tokens: np.ndarray
@@ -48,6 +67,8 @@ class TokenData:
   vocab_size: int
   description: str
   cache_path: Path | None = None
+  fingerprint: str = ""
+  contents: str = ""
 
   @property
   def train(self) -> np.ndarray:
@@ -74,7 +95,8 @@ def load_data(source=None, *, val_fraction: float = 0.05, max_bytes: int | None 
               vocab_size: int | None = BYTE_VOCAB, tokenizer: str | os.PathLike | None = None,
               cache_dir: str | os.PathLike | None = None, progress: bool | None = None
               ) -> TokenData:
-  """Loads `source` (None: stdlib corpus; text files/dirs/globs; or one ``.bin`` file).
+  """Loads `source` (None or "stdlib": the stdlib corpus; "site-packages": the installed
+  packages' source; text files/dirs/globs; or one ``.bin`` file).
 
   Args:
     source: see the module docstring.
@@ -112,10 +134,13 @@ def load_data(source=None, *, val_fraction: float = 0.05, max_bytes: int | None 
     tokens = binfile.load_bin(bins[0], vocab_size)
     description = os.fspath(bins[0])
     vocab = vocab_size if vocab_size is not None else int(tokens.max()) + 1
+    fingerprint, contents = _bin_fingerprint(bins[0], tokens)
   else:
     files = source_files(source)
-    description = "Python stdlib source" if source is None else \
+    builtin = builtin_source(source)
+    description = _DESCRIPTIONS[builtin] if builtin is not None else \
         f"{len(files)} text file(s) from {[os.fspath(n) for n in names]}"
+    separator = None
     if tokenizer is None:
       tokens, vocab = read_documents(files, max_bytes), BYTE_VOCAB
       if vocab_size is not None and vocab_size < vocab:
@@ -131,5 +156,35 @@ def load_data(source=None, *, val_fraction: float = 0.05, max_bytes: int | None 
                          f"vocab_size >= {vocab}")
       tokens = binfile.load_bin(cache_path, vocab_size=None)
       description += f" tokenized by {os.fspath(tokenizer)}"
+      separator = cached.separator
+    fingerprint, contents = _text_fingerprint(files, max_bytes, tokenizer, separator)
   split_at = len(tokens) - int(round(len(tokens) * val_fraction))
-  return TokenData(tokens, split_at, vocab, description, cache_path)
+  return TokenData(tokens, split_at, vocab, description, cache_path, fingerprint, contents)
+
+
+def _text_fingerprint(files, max_bytes, tokenizer, separator) -> tuple[str, str]:
+  """(fingerprint, contents) of text documents (see the module docstring)."""
+  sizes = read_sizes(files, max_bytes)
+  paths = [os.path.abspath(p) for p, _ in sizes]
+  common = os.path.commonpath([os.path.dirname(p) for p in paths]) if paths else ""
+  docs = [[Path(os.path.relpath(p, common)).as_posix(), n] for p, (_, n) in zip(paths, sizes)]
+  tok = None if tokenizer is None else hashlib.sha256(
+      tokenizer_lib.tokenizer_file(tokenizer).read_bytes()).hexdigest()
+  text = json.dumps({"kind": "text", "documents": docs, "tokenizer": tok,
+                     "separator": None if separator is None else list(separator)})
+  total = sum(n for _, n in sizes)
+  return hashlib.sha256(text.encode()).hexdigest(), f"{len(docs):,} files, {total:,} bytes"
+
+
+def _bin_fingerprint(path, tokens: np.ndarray) -> tuple[str, str]:
+  """(fingerprint, contents) of a ``.bin`` token file (see the module docstring)."""
+  size = os.path.getsize(path)
+  with open(path, "rb") as f:
+    head = f.read(_EDGE_BYTES)
+    f.seek(max(0, size - _EDGE_BYTES))
+    tail = f.read()
+  text = json.dumps({"kind": "bin", "bytes": size, "tokens": int(len(tokens)),
+                     "dtype": np.dtype(tokens.dtype).name,
+                     "head": hashlib.sha256(head).hexdigest(),
+                     "tail": hashlib.sha256(tail).hexdigest()})
+  return hashlib.sha256(text.encode()).hexdigest(), f"{len(tokens):,} tokens, {size:,} bytes"

@@ -1,15 +1,21 @@
 """Text sources: file patterns -> sorted files -> documents (bytes), at most `max_bytes` of them.
 
 A pattern is a file, a directory (every file below it) or a glob; each pattern's files are
-sorted by path and duplicates dropped. The default corpus is the running Python's standard
-library source: the ``*.py`` files under ``sysconfig.get_paths()["stdlib"]`` (site-/
-dist-packages excluded) sorted by relative path, real text on every machine (it differs between
-Python versions). Byte-level tokens are the documents' bytes joined by :data:`DOC_SEPARATOR`.
+sorted by path and duplicates dropped. Two corpora are built in (:data:`BUILTIN_SOURCES`), real
+text on every machine:
+  - ``"stdlib"`` (the default): the running Python's standard library source, the ``*.py``
+    files under ``sysconfig.get_paths()["stdlib"]`` (site-/dist-packages excluded) sorted by
+    relative path (about 30 MB; it differs between Python versions);
+  - ``"site-packages"``: the ``*.py`` files of the installed packages, under every folder of
+    :func:`site_packages_roots` (sorted), each folder's files sorted by relative path; its
+    size depends on what is installed.
+Byte-level tokens are the documents' bytes joined by :data:`DOC_SEPARATOR`.
 """
 from __future__ import annotations
 
 import glob
 import os
+import site
 import sysconfig
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
@@ -25,17 +31,56 @@ _GLOB_CHARS = frozenset("*?[")
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 
+def _python_files(root: Path, excluded: frozenset) -> list[Path]:
+  """The ``*.py`` files below `root` (folders named in `excluded` skipped, symlinked folders
+  not followed), sorted by path relative to `root`."""
+  files = []
+  for folder, dirs, names in os.walk(root):
+    dirs[:] = [d for d in dirs if d not in excluded]
+    files += [Path(folder, n) for n in names if n.endswith(".py")]
+  return sorted((p for p in files if p.is_file()), key=lambda p: p.relative_to(root).as_posix())
+
+
 def stdlib_files() -> list[Path]:
   """The standard library's ``*.py`` files (no site-/dist-packages), sorted by relative path."""
   root = Path(sysconfig.get_paths()["stdlib"])
-  files = []
-  for folder, dirs, names in os.walk(root):
-    dirs[:] = [d for d in dirs if d not in _EXCLUDED_DIRS]
-    files += [Path(folder, n) for n in names if n.endswith(".py")]
-  files = sorted((p for p in files if p.is_file()), key=lambda p: p.relative_to(root).as_posix())
+  files = _python_files(root, _EXCLUDED_DIRS)
   if not files:
     raise FileNotFoundError(f"no files matched '*.py' under {str(root)!r}")
   return files
+
+
+def site_packages_roots() -> list[Path]:
+  """The folders installed packages live in: ``site.getsitepackages()`` and sysconfig's
+  ``purelib`` / ``platlib`` that exist, each once (by resolved path), sorted by path."""
+  paths = sysconfig.get_paths()
+  found = list(getattr(site, "getsitepackages", list)()) + [paths["purelib"], paths["platlib"]]
+  roots = {}
+  for path in found:
+    if os.path.isdir(path):
+      roots.setdefault(Path(path).resolve(), Path(path))
+  return sorted(roots.values(), key=lambda p: p.as_posix())
+
+
+def site_packages_files() -> list[Path]:
+  """The installed packages' ``*.py`` files: for each folder of :func:`site_packages_roots`
+  in order, its files sorted by relative path (``__pycache__`` skipped; a file reachable from
+  two folders is listed once)."""
+  roots = site_packages_roots()
+  files, seen = [], set()
+  for root in roots:
+    for path in _python_files(root, frozenset({"__pycache__"})):
+      if path.resolve() not in seen:
+        seen.add(path.resolve())
+        files.append(path)
+  if not files:
+    shown = [str(r) for r in roots]
+    raise FileNotFoundError(f"no files matched '*.py' under the site-packages folders {shown}")
+  return files
+
+
+# The built-in corpora by name (data.source), each a function returning its files in order.
+BUILTIN_SOURCES = {"stdlib": stdlib_files, "site-packages": site_packages_files}
 
 
 def _expand(pattern: str | os.PathLike) -> list[Path]:
@@ -70,9 +115,34 @@ def resolve_files(patterns: str | os.PathLike | Iterable[str | os.PathLike]) -> 
   return files
 
 
+def builtin_source(source) -> str | None:
+  """The name of the built-in corpus `source` names (None is "stdlib"), or None when `source`
+  is file patterns."""
+  if source is None:
+    return "stdlib"
+  return source if isinstance(source, str) and source in BUILTIN_SOURCES else None
+
+
 def source_files(source) -> list[Path]:
-  """The text files of `source`: None -> :func:`stdlib_files`, else :func:`resolve_files`."""
-  return stdlib_files() if source is None else resolve_files(source)
+  """The text files of `source`: None or a name of :data:`BUILTIN_SOURCES` -> that corpus's
+  files, else :func:`resolve_files`."""
+  name = builtin_source(source)
+  return BUILTIN_SOURCES[name]() if name is not None else resolve_files(source)
+
+
+def read_sizes(files: Sequence[Path], max_bytes: int | None = DEFAULT_MAX_BYTES
+               ) -> list[tuple[Path, int]]:
+  """(path, bytes read) of each document :func:`iter_documents` yields (files past the cap
+  are left out; the last one may be cut)."""
+  check_positive("max_bytes", max_bytes, allow_none=True)
+  out, left = [], max_bytes
+  for path in files:
+    if left is not None and left <= 0:
+      break
+    size = os.path.getsize(path)
+    out.append((path, size if left is None else min(size, left)))
+    left = None if left is None else left - out[-1][1]
+  return out
 
 
 def document_sizes(files: Sequence[Path], max_bytes: int | None = DEFAULT_MAX_BYTES) -> list[int]:

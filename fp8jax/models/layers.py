@@ -45,8 +45,9 @@ from fp8jax import FP8_COLLECTION, Recipe, fsdp
 from fp8jax.dot import GEMM_OUTPUT_NAME, INPUT_CAST_NAME, WEIGHT_CAST_NAME
 from fp8jax.hardware import DeviceReport, cudnn_attention_head_dim, local_report
 from fp8jax.kernels.cast_transpose import activate
-from fp8jax.linen import (HEALTH_COLLECTION, PERTURBATIONS, WEIGHT_CAST_COLLECTION,
-                          DotGeneral, Fp8DotGeneral, dense_mlp, dense_mlp_reason)
+from fp8jax.linen import (CALIBRATION_COLLECTION, HEALTH_COLLECTION, PERTURBATIONS,
+                          WEIGHT_CAST_COLLECTION, DotGeneral, Fp8DotGeneral, dense_mlp,
+                          dense_mlp_reason)
 
 DTYPES = ("bfloat16", "float32", "float16")
 PARAM_DTYPES = ("float32", "bfloat16")
@@ -469,7 +470,8 @@ class Decoder(nn.Module):
     """x[B, T, D] through the n_layers blocks: under nn.scan, or (``scan_layers=False``, when
     no collection is being written) unrolled over layer slices of the same stacked variables."""
     writing = self.is_initializing() or any(
-        self.is_mutable_collection(c) for c in (HEALTH_COLLECTION, PERTURBATIONS))
+        self.is_mutable_collection(c)
+        for c in (HEALTH_COLLECTION, PERTURBATIONS, CALIBRATION_COLLECTION))
     gather = fsdp.active()
     if gather is not None and self.config.remat:  # the recomputation gathers the weights
       gather = dataclasses.replace(gather, keep_gathered=True)  # again: its GEMMs keep them
@@ -509,7 +511,7 @@ class Decoder(nn.Module):
     if self.config.remat:
       block = nn.remat(block, prevent_cse=False, policy=remat_policy(self.config))
     stacked = {"params": 0, FP8_COLLECTION: 0, HEALTH_COLLECTION: 0, PERTURBATIONS: 0,
-               WEIGHT_CAST_COLLECTION: 0}
+               WEIGHT_CAST_COLLECTION: 0, CALIBRATION_COLLECTION: 0}
     scanned = nn.scan(block, variable_axes=stacked,
                       split_rngs={"params": True, "dropout": True},
                       in_axes=nn.broadcast, length=self.config.n_layers)

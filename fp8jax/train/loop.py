@@ -34,8 +34,8 @@ from fp8jax.train.fallback import Bf16Loss, record_fallback
 from fp8jax.train.model import describe_conversion
 from fp8jax.train.health import fp8_cast_health
 from fp8jax.train.progress import ProgressBar
-from fp8jax.train.resume import (RunCheckpoints, RunRecords, claim_run_dir, records_of,
-                                 saved_fallback, stopped_line)
+from fp8jax.train.resume import (RunCheckpoints, RunRecords, check_same_data, claim_run_dir,
+                                 corpus_record, records_of, saved_fallback, stopped_line)
 from fp8jax.train.state import load_params, state_init_fn
 from fp8jax.train.step import TrainStep, make_eval_step
 
@@ -58,7 +58,7 @@ class Trainer:
     self.model_config = self.run_model.model_config  # the family's config (None: a builder)
     model, self.schedule, self.tx = build.model_and_optimizer(config, self.run_model)
     vocab = getattr(self.model_config, "vocab_size", None)
-    self.data = data_lib.load_data(None if d.source == "stdlib" else d.source,
+    self.data = data_lib.load_data(d.source,
                                    val_fraction=d.val_fraction, max_bytes=d.max_bytes,
                                    vocab_size=vocab, tokenizer=d.tokenizer,
                                    cache_dir=d.cache_dir, progress=None if progress else False)
@@ -233,10 +233,20 @@ class Trainer:
         print(f"fp8jax train: pipeline of {stages} stages over {k} microbatches "
               f"({schedule}): bubble {pipeline.bubble_fraction(stages, k, schedule):.1%} "
               f"of each stage's step")
+    if primary and self.epochs() > 1:
+      print(f"fp8jax train: data: the run's {self.config.tokens_seen(t.steps):,} training "
+            f"tokens are {self.epochs():.2f} epochs of the {len(self.data.train):,} of "
+            f"{self.data.description} ({self.data.contents}); later epochs repeat it")
     print(f"fp8jax train: model {self.run_model.name}, level {self.level.name}, "
           f"{n / 1e6:.2f}M params "
           f"({state_bytes:.2f} bytes/param of weights + optimizer state), {t.steps} steps, "
           f"data: {self.data.description}; logs: {os.path.abspath(self.run_dir)}")
+
+  def epochs(self) -> float:
+    """Passes over the training split the run's train.steps make (windows read / windows
+    per epoch)."""
+    windows = self.config.tokens_seen(self.config.train.steps) / self.config.data.seq_len
+    return windows / self.train_batches.windows_per_epoch
 
   def _note_absent_metrics(self, step: int, primary: bool) -> None:
     """Says once (stdout, TensorBoard text, events.jsonl) which metrics these devices cannot
@@ -327,8 +337,10 @@ class Trainer:
     return guards.Heartbeat(r.heartbeat_interval, r.heartbeat_tolerance)
 
   def records(self) -> RunRecords:
-    """What a checkpoint holds besides the state: data position and guard records."""
-    return RunRecords(self.train_batches.state(), self.skips.total, self.fallback_reason)
+    """What a checkpoint holds besides the state: data position and fingerprint, guard
+    records."""
+    return RunRecords(self.train_batches.state(), self.skips.total, self.fallback_reason,
+                      corpus_record(self.data))
 
   def save(self, step: int) -> None:
     """Starts an asynchronous checkpoint of the state after `step` steps."""
@@ -336,15 +348,19 @@ class Trainer:
 
   def resume(self, shardings=None) -> int:
     """Restores the newest good checkpoint (state onto `shardings`, default: the plan's;
-    data position; guard records); returns its step (0: none found)."""
+    data position; guard records); returns its step (0: none found). ValueError when the
+    checkpoint was written on other data (``resume.check_same_data``)."""
     if self.checkpoints is None:
       return 0
-    reason = saved_fallback(self.checkpoints.newest_meta())
+    meta = self.checkpoints.newest_meta()
+    check_same_data(meta, corpus_record(self.data), self.checkpoints.directory)
+    reason = saved_fallback(meta)
     if reason:
       self.fall_back_to_bf16(reason, record=False)
     restored = self.checkpoints.restore(self.state, shardings or self.plan.state)
     if restored is None:
       return 0
+    check_same_data(restored.meta, corpus_record(self.data), self.checkpoints.directory)
     saved = records_of(restored.meta)
     if saved.bf16_fallback and self.fallback_reason is None:
       raise RuntimeError(f"checkpoint step {restored.step} ran with BF16 GEMMs but the newer "

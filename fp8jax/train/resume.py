@@ -1,10 +1,11 @@
 """A run's folder and checkpoints: what a checkpoint holds besides the state, resuming.
 
 :class:`RunCheckpoints` wraps ``fp8jax.checkpoint.CheckpointManager`` for the Trainer: every
-checkpoint carries the data position, the config and the guards' records (skipped steps, the
-BF16 fallback reason); :meth:`RunCheckpoints.newest_meta` refuses a checkpoint of another
-model or level before restoring. :func:`claim_run_dir` keeps a new run from mixing its logs
-and checkpoints with an earlier run's in the same folder.
+checkpoint carries the data position, the data's fingerprint, the config and the guards'
+records (skipped steps, the BF16 fallback reason); :meth:`RunCheckpoints.newest_meta` refuses
+a checkpoint of another model or level before restoring, :func:`check_same_data` one written
+on other data (the saved position would mean other batches). :func:`claim_run_dir` keeps a
+new run from mixing its logs and checkpoints with an earlier run's in the same folder.
 """
 from __future__ import annotations
 
@@ -141,10 +142,37 @@ class RunRecords(NamedTuple):
     data: the train batch iterator's position (``BatchIterator.state()``).
     skipped_steps: non-finite steps skipped so far.
     bf16_fallback: why the run switched to BF16 GEMMs (None: it did not).
+    corpus: what the data is (:func:`corpus_record`), None when unknown.
   """
   data: dict
   skipped_steps: int = 0
   bf16_fallback: str | None = None
+  corpus: dict | None = None
+
+
+def corpus_record(data) -> dict:
+  """What a checkpoint records of the run's data, a ``fp8jax.data.TokenData``: its
+  fingerprint, description and contents (plain strings)."""
+  return {"fingerprint": data.fingerprint, "description": data.description,
+          "contents": data.contents}
+
+
+def check_same_data(meta: dict | None, corpus: dict, directory: str) -> None:
+  """Refuses (ValueError, one line) to resume a checkpoint whose metadata `meta` records
+  other data than `corpus` (:func:`corpus_record` of the data loaded now): the saved data
+  position would select other batches. Metadata without a record (older checkpoints) and an
+  empty fingerprint pass."""
+  saved = (meta or {}).get("corpus")
+  if not saved or not saved.get("fingerprint") or not corpus.get("fingerprint"):
+    return
+  if saved["fingerprint"] == corpus["fingerprint"]:
+    return
+  def said(c):
+    return f"{c.get('description')} ({c.get('contents')}, fingerprint {c['fingerprint'][:12]})"
+  raise ValueError(f"the checkpoints in {directory} were trained on other data: {said(saved)}; "
+                   f"the data is now {said(corpus)}. Resume with the data the run started "
+                   "with (same data.source, data.max_bytes, data.tokenizer and installed "
+                   "files), or start a new run (another runtime.name or checkpoint.dir)")
 
 
 def saved_fallback(meta: dict | None) -> str | None:
@@ -173,7 +201,8 @@ class RunCheckpoints:
   def save(self, step: int, state, records: RunRecords) -> None:
     """Starts an asynchronous checkpoint of `state` after `step` steps with `records`."""
     meta = {"data": records.data, "config": config_to_dict(self.config),
-            "skipped_steps": records.skipped_steps, "bf16_fallback": records.bf16_fallback}
+            "skipped_steps": records.skipped_steps, "bf16_fallback": records.bf16_fallback,
+            "corpus": records.corpus}
     self.manager.save(step, state, meta)
 
   def wait(self) -> None:
@@ -232,8 +261,10 @@ COMPUTE_KEYS = frozenset({"attention_impl", "remat", "remat_policy", "remat_save
 
 def records_of(meta: dict) -> RunRecords:
   """The :class:`RunRecords` saved in checkpoint metadata `meta`."""
-  return RunRecords(meta["data"], int(meta.get("skipped_steps", 0)), saved_fallback(meta))
+  return RunRecords(meta["data"], int(meta.get("skipped_steps", 0)), saved_fallback(meta),
+                    meta.get("corpus"))
 
 
-__all__ = ["RunCheckpoints", "RunDirInUse", "RunRecords", "checkpoint_dir", "claim_run_dir",
-           "earlier_run", "records_of", "saved_fallback", "stopped_line"]
+__all__ = ["RunCheckpoints", "RunDirInUse", "RunRecords", "check_same_data", "checkpoint_dir",
+           "claim_run_dir", "corpus_record", "earlier_run", "records_of", "saved_fallback",
+           "stopped_line"]

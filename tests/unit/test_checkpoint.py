@@ -134,6 +134,28 @@ def test_damaged_latest_checkpoint_warns_and_restores_the_previous(tmp_path, key
   assert any(name.startswith("damaged-20") for name in os.listdir(tmp_path))
 
 
+def test_read_only_manager_changes_nothing_on_disk(tmp_path, key):
+  """What fp8jax eval opens a (possibly still training) run's checkpoints with: a torn save in
+  flight and a damaged newest checkpoint stay where they are, the previous one restores, and
+  saving is refused."""
+  trees = [{"w": jax.random.normal(k, (64, 8))} for k in jax.random.split(key, 2)]
+  with CheckpointManager(tmp_path) as mgr:
+    for step, tree in zip((10, 20), trees):
+      mgr.save(step, tree)
+    mgr.wait()
+  (tmp_path / "20" / "state" / "_METADATA").write_text('{"tree_metadata": ')
+  (tmp_path / "30.orbax-checkpoint-tmp-99" / "state").mkdir(parents=True)
+  before = sorted(os.listdir(tmp_path))
+  mgr = CheckpointManager(tmp_path, read_only=True)
+  assert mgr.steps() == [10, 20] and mgr.torn == []
+  restored = mgr.restore(jax.tree.map(jnp.zeros_like, trees[0]))
+  assert restored.step == 10
+  _assert_bitwise_equal(restored.state, trees[0])
+  with pytest.raises(ValueError, match="is read-only"):
+    mgr.save(40, trees[0])
+  assert sorted(os.listdir(tmp_path)) == before
+
+
 def _shardings(state, mesh, sharded):
   """Leaves whose first dim splits over the mesh get P('d') when `sharded(path)`."""
   n = mesh.devices.size

@@ -49,6 +49,33 @@ def test_shipped_config_loads(path):
   assert cfg.data.seq_len <= cfg.model.max_seq_len
 
 
+# Configs whose token budget no built-in corpus holds (the 7B batch-ramp recipe reads tens of
+# billions of tokens; its comment says to point data.source at a .bin).
+BEYOND_BUILTIN = {"gpt_7b_ramp.yaml"}
+
+
+@pytest.mark.parametrize("path", [p for p in SHIPPED if os.path.basename(p) not in
+                                  ("base.yaml", "tiny.yaml")], ids=os.path.basename)
+def test_gpu_configs_read_site_packages_within_one_epoch(path):
+  """Every shipped GPU config trains on the installed packages' source, and its cap lets it
+  stay within one epoch: train.steps' tokens (bytes: byte-level) fit in the training split of
+  data.max_bytes; docs/data.md says how much must be installed for that."""
+  cfg = load_config(path)
+  assert cfg.data.source == "site-packages" and cfg.data.byte_level
+  tokens = cfg.tokens_seen(cfg.train.steps)
+  train_bytes = cfg.data.max_bytes * (1 - cfg.data.val_fraction)
+  if os.path.basename(path) in BEYOND_BUILTIN:
+    assert tokens > 50 * train_bytes
+    with open(path) as f:
+      assert "set\n# data.source to a pre-tokenized .bin" in f.read()
+  else:
+    assert tokens <= train_bytes, (tokens, train_bytes)
+    with open(os.path.join(CONFIGS, "..", "docs", "data.md")) as f:  # what must be installed
+      readme = " ".join(f.read().split())
+    stem = os.path.splitext(os.path.basename(path))[0]
+    assert f"{tokens / 1e6:.1f} M" in readme and f"`{stem}" in readme
+
+
 def test_shipped_shapes():
   tiny, m125, m1b, m7b = (load_config(os.path.join(CONFIGS, n)) for n in
                           ("tiny.yaml", "gpt_125m.yaml", "gpt_1_3b.yaml", "gpt_7b.yaml"))

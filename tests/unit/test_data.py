@@ -42,6 +42,52 @@ def test_stdlib_corpus_is_real_sorted_and_capped():
   assert b"import " in text and np.array_equal(load_data(max_bytes=300_000).tokens, corpus.tokens)
 
 
+def test_site_packages_corpus_is_installed_source_sorted_and_capped():
+  roots, files = data.site_packages_roots(), data.site_packages_files()
+  assert roots and len(files) > 100 and all(f.suffix == ".py" for f in files)
+  assert not any("__pycache__" in f.parts for f in files)
+  assert any(f.parts[-2:] == ("numpy", "__init__.py") for f in files)  # installed here
+  order = [(i, f.relative_to(r).as_posix()) for f in files
+           for i, r in enumerate(roots) if r in f.parents]
+  assert len(order) == len(files) and order == sorted(order)  # roots in order, each sorted
+  corpus = load_data("site-packages", max_bytes=200_000)
+  text = corpus.tokens.tobytes()
+  assert corpus.description == "Python site-packages source"
+  assert text.startswith(files[0].read_bytes()[:200_000])
+  n_docs = text.count(bytes([data.DOC_SEPARATOR])) + 1
+  assert len(corpus.tokens) == 200_000 + n_docs - 1  # the cap counts file bytes, as stdlib's
+  assert corpus.contents == f"{n_docs:,} files, 200,000 bytes"
+  again = load_data("site-packages", max_bytes=200_000)  # listed again: the same order
+  assert again.fingerprint == corpus.fingerprint and len(corpus.fingerprint) == 64
+  others = {load_data("site-packages", max_bytes=200_001).fingerprint,
+            load_data("stdlib", max_bytes=200_000).fingerprint,
+            load_data(None, max_bytes=200_000).fingerprint}
+  assert len(others) == 2 and corpus.fingerprint not in others  # None is "stdlib"
+
+
+def test_fingerprint_names_the_data_not_where_it_lies(tmp_path):
+  """Copies of the same documents in two folders (and .bin files in two places) share a
+  fingerprint; another length of one document, another order or another .bin differs."""
+  for folder in ("a", "b"):
+    (tmp_path / folder / "sub").mkdir(parents=True)
+    (tmp_path / folder / "x.txt").write_bytes(b"first document")
+    (tmp_path / folder / "sub" / "y.txt").write_bytes(b"second one")
+  a, b = (load_data(str(tmp_path / f / "**" / "*.txt")) for f in ("a", "b"))
+  assert a.fingerprint == b.fingerprint and a.contents == "2 files, 24 bytes"
+  (tmp_path / "b" / "sub" / "y.txt").write_bytes(b"second one!")
+  assert load_data(str(tmp_path / "b" / "**" / "*.txt")).fingerprint != a.fingerprint
+  in_order = load_data([tmp_path / "a" / "sub" / "y.txt", tmp_path / "a" / "x.txt"])
+  swapped = load_data([tmp_path / "a" / "x.txt", tmp_path / "a" / "sub" / "y.txt"])
+  assert in_order.fingerprint == a.fingerprint != swapped.fingerprint
+  ids = np.arange(3000) % 256
+  write_bin(tmp_path / "one.bin", ids)
+  write_bin(tmp_path / "a" / "two.bin", ids)
+  one = load_data(tmp_path / "one.bin")
+  assert one.fingerprint == load_data(tmp_path / "a" / "two.bin").fingerprint
+  write_bin(tmp_path / "a" / "two.bin", np.concatenate([ids[:-1], [7]]))
+  assert load_data(tmp_path / "a" / "two.bin").fingerprint != one.fingerprint
+
+
 def test_same_seed_same_batches_other_seed_differs(key):
   corpus = load_data(max_bytes=200_000)
   seed = _seed(key)
