@@ -469,6 +469,18 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
   if pipeline is not None:
     pipeline_lib.check_stages(pipeline.stages, microbatches)
 
+  grad_fn = _microbatch_grads(apply_fn, weight_gather, reduce_gradients)
+  if pipeline is not None:
+    return _pipeline_step(pipeline, tx, microbatches, reduce_gradients, fused_update,
+                          matrix_dtype)
+  if groups is not None:
+    return _group_step(groups, grad_fn, tx, fused_update)
+  return _uniform_step(grad_fn, tx, microbatches, fused_update, cast_weights, matrix_dtype)
+
+
+def _microbatch_grads(apply_fn: Callable, weight_gather, reduce_gradients) -> Callable:
+  """``(variables, part, extra=None) -> (loss, grads)`` of one microbatch (under ZeRO-3's
+  gather at use; with `reduce_gradients` applied to the f32 parameter gradients)."""
   def grad_fn(variables, part, extra=None):
     def loss_of(v):
       return next_token_loss(apply_fn, {**v, **(extra or {})}, part)
@@ -477,7 +489,11 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
     if reduce_gradients is not None:
       g = {**g, "params": reduce_gradients(jax.tree.map(widen, g["params"]))}
     return loss, g
+  return grad_fn
 
+
+def _uniform_step(grad_fn, tx, microbatches: int, fused_update, cast_weights, matrix_dtype):
+  """The uniform loop's ``step(state, batch, count=None)`` (:func:`make_train_step`)."""
   def uniform_step(state: TrainState, batch, count=None):
     variables = state.variables(matrix_dtype)  # decoded once, for every microbatch
     extra = {}
@@ -491,7 +507,31 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
     if microbatches == 1 and count is None and fused_update is None:
       grads = {**grads, "params": jax.tree.map(widen, grads["params"])}
     return apply_gradients(state, tx, grads, loss, fused_update)
+  return uniform_step
 
+
+def _group_specs(groups: GroupLoop, variables):
+  """(variables' in_specs, gradients' out_specs, dims, reduced) of the per-group
+  ``shard_map`` (:meth:`GroupLoop.layout`; FP8 gradients come out in their reduce-scatter
+  layout, the leaves reduced inside the loop in their home layout)."""
+  param_spec, dims, reduced = groups.layout(variables["params"])
+  grad_spec: Any = P()
+  if groups.grad_comm == "fp8" or dims is not None:
+    grad_spec = {k: P() for k in variables}
+    grad_spec["params"] = (grad_comm_lib.grad_specs(variables["params"], groups.axes,
+                                                    groups.groups)
+                           if groups.grad_comm == "fp8" else
+                           jax.tree.map(lambda _: P(), variables["params"]))
+  if dims is not None:
+    grad_spec["params"] = jax.tree.map(lambda s, g, d: s if d else g, param_spec,
+                                       grad_spec["params"], reduced,
+                                       is_leaf=lambda x: isinstance(x, P))
+  var_spec = {k: (param_spec if k == "params" else P()) for k in variables}
+  return var_spec, grad_spec, dims, reduced
+
+
+def _group_step(groups: GroupLoop, grad_fn, tx, fused_update):
+  """The per-group loop's ``step(state, batch, counts)`` (:func:`make_train_step`)."""
   def group_step(state: TrainState, batch, counts):
     variables = state.variables()
     comm = state.comm if groups.auto else None
@@ -501,19 +541,7 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
         raise ValueError(f"comm_scaling='auto' needs state.comm = CommScaling of shape "
                          f"[{want}] (one entry per parameter leaf), got "
                          f"{jax.tree.map(jnp.shape, comm)}; use init_grad_comm_scaling(params)")
-    param_spec, dims, reduced = groups.layout(variables["params"])
-    grad_spec: Any = P()
-    if groups.grad_comm == "fp8" or dims is not None:
-      grad_spec = {k: P() for k in variables}
-      grad_spec["params"] = (grad_comm_lib.grad_specs(variables["params"], groups.axes,
-                                                      groups.groups)
-                             if groups.grad_comm == "fp8" else
-                             jax.tree.map(lambda _: P(), variables["params"]))
-    if dims is not None:  # the leaves reduced inside the loop come out in their home layout
-      grad_spec["params"] = jax.tree.map(lambda s, g, d: s if d else g, param_spec,
-                                         grad_spec["params"], reduced,
-                                         is_leaf=lambda x: isinstance(x, P))
-    var_spec = {k: (param_spec if k == "params" else P()) for k in variables}
+    var_spec, grad_spec, dims, reduced = _group_specs(groups, variables)
     spec = P(groups.axes)
     local = functools.partial(group_microbatches, grad_fn, groups, dims=dims, reduced=reduced)
     loss, grads, comm = jax.shard_map(
@@ -526,17 +554,19 @@ def make_train_step(apply_fn: Callable, tx: optax.GradientTransformation, microb
     metrics = {**metrics, "comm_pre_scale_min": jnp.min(comm.pre_scale[idx]),
                "comm_saturated_max": jnp.max(comm.saturated[idx])}
     return new._replace(comm=comm), metrics
+  return group_step
 
+
+def _pipeline_step(pipeline: PipelineLoop, tx, microbatches: int, reduce_gradients,
+                   fused_update, matrix_dtype):
+  """The pipeline loop's ``step(state, batch, count=None)`` (:func:`make_train_step`)."""
   def pipeline_step(state: TrainState, batch, count=None):
     variables = state.variables(matrix_dtype)
     loss, grads = pipeline_microbatches(pipeline, variables, batch, microbatches, count)
     if reduce_gradients is not None:
       grads = {**grads, "params": reduce_gradients(grads["params"])}
     return apply_gradients(state, tx, grads, loss, fused_update)
-
-  if pipeline is not None:
-    return pipeline_step
-  return uniform_step if groups is None else group_step
+  return pipeline_step
 
 
 def apply_gradients(state: TrainState, tx: optax.GradientTransformation, grads, loss,
