@@ -90,63 +90,31 @@ class WeightGather:
     keep_gathered: GEMMs keep their gathered weight for their backward instead of the shard
       (which the backward gathers again): for layers under remat, whose forward runs again
       in the backward and gathers it there anyway.
-    local: inside ``shard_map`` manual over the ZeRO axes: the parameters' local layouts,
-      the first result of :func:`local_table`; None under ``jax.jit`` (global layouts).
-    reduce: with `local`, how gradients are summed into their shards (:class:`Local`).
   """
 
   mesh: Mesh
   specs: Specs
   payload_dtype: Any = None
   keep_gathered: bool = False
-  local: Any = None
-  reduce: Reduce | None = None
 
   def shardings(self, path: str, shape):
-    """(home, gathered) layouts of the parameter at `path` with `shape`: NamedShardings, or
-    :class:`Local` pairs inside ``shard_map`` (`local` given); None when it is not split
-    over the ZeRO axes (nothing to gather)."""
-    if self.local is not None:
-      return self._local(path, tuple(shape))
+    """(home, gathered) NamedShardings of the parameter at `path` with `shape`; None when it
+    is not split over the ZeRO axes (nothing to gather)."""
     home, full = self.specs(path, tuple(shape))
     if home == full:
       return None
     return NamedSharding(self.mesh, home), NamedSharding(self.mesh, full)
 
-  def _local(self, path: str, shape):
-    """The Local pair of a parameter used at `path` (its key path, or the end of it: modules
-    that gather their own variables see paths relative to themselves) with local `shape`
-    (its shard, or one layer's slice of it)."""
-    found = set()
-    path = path.removeprefix("['params']")  # (Flax's map_variables sees the collection)
-    for key, (local_shape, entry) in self.local:
-      if not (key == path or key.endswith(path)):
-        continue
-      if tuple(local_shape) == shape:
-        found.add(entry)
-      elif tuple(local_shape[1:]) == shape and (entry is None or entry[0] > 0):  # a layer
-        found.add(None if entry is None else (entry[0] - 1, entry[1]))  # stack's slice
-    if len(found) != 1:
-      what = "no parameter" if not found else f"parameters laid out differently ({found})"
-      raise ValueError(f"fsdp: the model uses a parameter at {path} with shape {shape}, and "
-                       f"the step's parameter tree has {what} there; a model gathered inside "
-                       "shard_map must use its parameters under their own key paths")
-    entry = found.pop()
-    if entry is None:  # passed in whole
-      return None
-    home = Local(entry[0], entry[1], False, self.reduce)
-    return home, dataclasses.replace(home, gathered=True)
-
 
 def local_table(params, specs, axes: tuple[str, ...], sizes, stacks: tuple[str, ...] = ()):
-  """The ``local`` table of a :class:`WeightGather` for `params` (global arrays or shapes)
-  laid out by `specs` (a tree of PartitionSpecs like `params`) inside ``shard_map`` manual
-  over the mesh `axes` (sizes `sizes`: mesh axis name -> size); `stacks`: top-level keys of
-  `params` that hold layer stacks (a scan slices their leaves along dimension 0).
+  """The local layouts of `params` (global arrays or shapes) laid out by `specs` (a tree of
+  PartitionSpecs like `params`) inside ``shard_map`` manual over the mesh `axes` (sizes
+  `sizes`: mesh axis name -> size); `stacks`: top-level keys of `params` that hold layer
+  stacks (a scan slices their leaves along dimension 0).
 
   Returns (table, in_specs): table a tuple of (keystr path, (local shape, (split dim, axes)
-  or None for a leaf passed in whole)); in_specs the tree of ``shard_map`` in_specs: the ZeRO-split
-  dimension of each leaf gathered at use, P() (replicated) for the rest. A leaf of a layer
+  or None for a leaf passed in whole)); in_specs the tree of ``shard_map`` in_specs: the
+  ZeRO-split dimension of each leaf that enters as its shard, P() (replicated) for the rest. A leaf of a layer
   stack split along dimension 0 (the layers) is passed in whole; so is a leaf split over
   axes outside `axes` or over more than one dimension.
   """
@@ -314,14 +282,12 @@ def gather_tree(params, gather: WeightGather | None, *, matrix_dtype=None,
     matrix_dtype: the dtype the model computes its GEMMs in: GEMM weights (kernels,
       embeddings) cross and arrive in it (the model promotes them to it anyway); None: they
       cross like the other leaves.
-    kernels: gather kernels here too (modules whose GEMM does not gather its weight; always
-      inside ``shard_map``, where a kernel arrives as its shard, which a Flax module would
-      refuse for its shape: it crosses in `matrix_dtype` and its GEMM casts it).
+    kernels: gather kernels here too (modules whose GEMM does not gather its weight: it
+      crosses in `matrix_dtype` and its GEMM casts it).
     prefix: key path (keystr) of `params` in the whole parameter tree, for `gather.specs`.
   """
   if gather is None:
     return params
-  kernels = kernels or gather.local is not None  # Flax modules check their kernels' shapes
 
   def one(path, x):
     if not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):

@@ -105,11 +105,9 @@ def _sow_cast_health(module, meta, lhs, rhs) -> None:
 def _weight_shardings(module: nn.Module, rhs) -> tuple[Any, bool]:
   """((home, gathered) shardings of the weight `rhs` of `module`'s GEMM (its parent's
   "kernel" parameter) under the active :class:`fp8jax.fsdp.WeightGather`, its keep_gathered);
-  (None, False) without one, when the weight is not split over the ZeRO axes, or inside
-  ``shard_map`` (``gather.local``: the model gathers its kernels with the other parameters,
-  ``fsdp.gather_tree``, since a Flax module checks its parameters' shapes)."""
+  (None, False) without one, or when the weight is not split over the ZeRO axes."""
   gather = fsdp.active()
-  if gather is None or gather.local is not None:
+  if gather is None:
     return None, False
   path = fsdp.key_path(module.scope.path[:-1] + ("kernel",))
   return gather.shardings(path, jnp.shape(rhs)), gather.keep_gathered
