@@ -719,11 +719,6 @@ class Config(_Section):
     if t.microbatches < pp:
       _fail(f"{where} needs train.microbatches >= {pp} (one per stage at least; more shrink "
             f"the pipeline bubble (P-1)/(k+P-1)), got train.microbatches={t.microbatches}")
-    for key, value, ok in (("parallel.device_map", p.device_map, None),
-                           ("parallel.grad_comm", self.grad_comm(), "native")):
-      if value != ok:
-        _fail(f"{where} with {key}={_short(value)} is not supported yet; use {key} "
-              f"{ok!r} or pipeline_parallel_size 1")
 
   def grad_comm(self) -> str:
     """How the run reduces gradients: "fp8" or "native". "auto" resolves to "native" (the

@@ -198,10 +198,13 @@ class _Slots:
     return (jnp.zeros((), jnp.float32), accumulator_zeros(self.stacked),
             accumulator_zeros(self.shared))
 
-  def result(self, acc):
+  def result(self, acc, sums: bool = False):
     """(mean loss, mean stacked gradients, mean shared gradients combined over the
-    stages)."""
+    stages); with `sums`, sums over the microbatches that ran (none: zeros)."""
     loss_sum, acc_stacked, acc_shared = acc
+    if sums:
+      return (lax.psum(loss_sum, self.axis), acc_stacked,
+              _combine_over(acc_shared, self.axis, self.stages))
     n = self.count
     return (lax.psum(loss_sum, self.axis) / n, mean_gradients(acc_stacked, n),
             mean_gradients(_combine_over(acc_shared, self.axis, self.stages), n))
@@ -213,7 +216,8 @@ def _keep(saved, j, x, ran):
   return lax.dynamic_update_index_in_dim(saved, jnp.where(ran, x, old), j, 0)
 
 
-def gpipe(fns: Stages, stacked, shared, parts, count=None, *, stages: int, axis: str = PIPE):
+def gpipe(fns: Stages, stacked, shared, parts, count=None, *, stages: int, axis: str = PIPE,
+          sums: bool = False):
   """One step's loss and gradients under the GPipe schedule (call inside ``jax.shard_map``
   manual over `axis`; see the module docstring): k + P - 1 forward ticks, then k + P - 1
   backward ticks; each stage keeps k inputs.
@@ -223,8 +227,11 @@ def gpipe(fns: Stages, stacked, shared, parts, count=None, *, stages: int, axis:
     stacked: this stage's slice of the stacked variables ([L/P, ...] leaves).
     shared: the other variables (whole).
     parts: int32[k, mb, T+1], the step's k microbatches (the same on every stage).
-    count: None (all k run) or an int32 scalar in [1, k]: the first `count` run.
+    count: None (all k run) or an int32 scalar in [1, k]: the first `count` run (with
+      `sums`, also 0).
     stages: P, the size of `axis`.
+    sums: return sums over the microbatches that ran instead of means (a per-group step
+      adds them over the groups).
   Returns (mean loss over the microbatches, this stage's gradient of `stacked`, the gradient
   of `shared`): parameter gradients are means over the microbatches (summed in f32), FP8
   state the max-combined update; `shared`'s is the same on every stage.
@@ -250,11 +257,11 @@ def gpipe(fns: Stages, stacked, shared, parts, count=None, *, stages: int, axis:
     return (p.send(dx, -1), acc), None
 
   (_, acc), _ = lax.scan(backward, (p.x0, p.zeros()), ticks)
-  return p.result(acc)
+  return p.result(acc, sums)
 
 
 def one_f_one_b(fns: Stages, stacked, shared, parts, count=None, *, stages: int,
-                axis: str = PIPE):
+                axis: str = PIPE, sums: bool = False):
   """:func:`gpipe`'s result under the 1F1B schedule: k + 2(P - 1) ticks, in each of which
   stage s runs the forward of microbatch t - s and the backward of microbatch
   t - 2(P - 1) + s (the last stage both of the same one), so a stage keeps at most 2P - 1
@@ -278,7 +285,7 @@ def one_f_one_b(fns: Stages, stacked, shared, parts, count=None, *, stages: int,
   saved = jnp.zeros((ring, *p.x0.shape), p.x0.dtype)
   start = (p.x0, p.x0, saved, p.zeros())
   (*_, acc), _ = lax.scan(tick, start, jnp.arange(p.k + 2 * (stages - 1)))
-  return p.result(acc)
+  return p.result(acc, sums)
 
 
 SCHEDULE_FNS = {"gpipe": gpipe, "1f1b": one_f_one_b}

@@ -282,21 +282,24 @@ def pipeline_loop(config, plan: ZeroPlan, model) -> PipelineLoop | None:
 
 def step_loop(config, plan: ZeroPlan, model, microbatches: int,
               counts_fn: Callable[[int], Sequence[int]] | None = None):
-  """The microbatch loop of a run's step of `microbatches` microbatches: the pipeline's
-  (stages), the per-group loop (`counts_fn`, balanced runs; or FP8 gradient communication;
-  layer-major at ZeRO-3 for a model with ``parts()``), else the uniform loop."""
+  """The microbatch loop of a run's step of `microbatches` microbatches: the per-group loop
+  (`counts_fn`, balanced runs; or FP8 gradient communication; layer-major at ZeRO-3 for a
+  model with ``parts()``; with pipeline stages its groups are pipeline replicas), the
+  pipeline's (stages), else the uniform loop."""
   c, t = config, config.train
   pipeline = pipeline_loop(c, plan, model)
-  if pipeline is not None:
+  per_group = counts_fn is not None or c.grad_comm() == "fp8"
+  if pipeline is not None and not per_group:
     return pipeline
   dynamic = t.batch_ramp is not None
-  if counts_fn is not None or c.grad_comm() == "fp8":
+  if per_group:  # (with stages: the groups are pipeline replicas)
     return GroupLoop(plan.mesh, grad_comm=c.grad_comm(),
                      comm_scaling=c.parallel.grad_comm_scaling,
                      growth_interval=c.grad_comm_growth_interval(),
                      parts=model.parts() if callable(getattr(model, "parts", None)) else None,
                      layer_stacks=tuple(getattr(model, "layer_stacks", ())), counts=counts_fn,
-                     microbatch_size=t.microbatch_size, dynamic=dynamic)
+                     microbatch_size=t.microbatch_size, dynamic=dynamic,
+                     schedule=None if pipeline is None else pipeline.schedule)
   return UniformLoop(t.microbatch_size, dynamic, weight_cast_fn(c, model, microbatches),
                      c.model.dtype if c.model.builder is None else None)
 

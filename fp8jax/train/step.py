@@ -53,7 +53,7 @@ from fp8jax.parallel import layer_major as layer_major_lib
 from fp8jax.parallel import layout
 from fp8jax.parallel import pipeline as pipeline_lib
 from fp8jax.parallel.collectives import CommScaling
-from fp8jax.parallel.mesh import BATCH_AXES, pipe_size
+from fp8jax.parallel.mesh import BATCH_AXES, PIPE, pipe_size
 from fp8jax.parallel.zero import ZeroPlan
 from fp8jax.scaling import combine_max
 from fp8jax.train import guards
@@ -100,6 +100,11 @@ class GroupLoop:
       or `dynamic`).
     dynamic: for :func:`build_step`: steps of any k up to its `microbatches` (a batch ramp),
       one program for every k.
+    schedule: None, or "gpipe" / "1f1b": the groups are pipeline replicas over the mesh's
+      "pipe" axis (`parts` needed): each runs its own count of microbatches through the
+      stages (:mod:`fp8jax.parallel.pipeline`; slots beyond its count are bubbles), then
+      the gradients are summed over the groups (f32, or FP8 with `grad_comm` "fp8"). The
+      parameters enter each replica whole (its stage's layers), not as ZeRO-3 shards.
   """
 
   mesh: Mesh
@@ -113,10 +118,17 @@ class GroupLoop:
   counts: Callable[[int], Sequence[int]] | None = None
   microbatch_size: int | None = None
   dynamic: bool = False
+  schedule: str | None = None
 
   def __post_init__(self):
     grad_comm_lib.check_options(self.grad_comm, self.comm_scaling, self.growth_interval)
     object.__setattr__(self, "axes", layout.group_axes(self.mesh, self.axes))
+    if self.schedule is not None:
+      pipeline_lib.check_schedule(self.schedule)
+      if pipe_size(self.mesh) < 2 or self.parts is None or self.weight_gather is not None:
+        raise ValueError("GroupLoop(schedule=...) needs a mesh with a 'pipe' axis of 2 or more "
+                         "stages, the model's parts and no weight_gather (each replica holds "
+                         "its stage's layers whole)")
     if self.layer_major and self.auto:
       raise ValueError("comm_scaling='auto' with ZeRO-3's per-layer gradient reduce-scatter "
                        "is not supported (each layer's gradient is reduced inside its "
@@ -159,8 +171,8 @@ class GroupLoop:
     """(step, place, batch shardings) for :func:`build_step`: the per-group step on `plan`
     (its ZeRO-3 gather unless :attr:`weight_gather` is given) and the host batch laid out
     per group (``fp8jax.parallel.layout``: int32[G, slots, m, T+1] and the counts)."""
-    loop = self if self.weight_gather is not None else dataclasses.replace(
-        self, weight_gather=plan.weight_gather())
+    loop = self if self.weight_gather is not None or self.schedule is not None else \
+        dataclasses.replace(self, weight_gather=plan.weight_gather())
     n, m, sharding = loop.groups, self.microbatch_size, plan.batch
     if self.counts is not None:
       split = functools.lru_cache(maxsize=None)(
@@ -175,6 +187,8 @@ class GroupLoop:
       arrange = lambda batch, k, c: layout.layout_split(batch, k, n)
     sizes = range(1, microbatches + 1) if self.dynamic else (microbatches,)
     slots = max(max(split(k)) for k in sizes)
+    if self.schedule is not None:  # a schedule has a slot per stage at least
+      slots = max(slots, pipe_size(self.mesh))
 
     def place(batch):
       k = _microbatch_count(batch, microbatches, m, self.dynamic)
@@ -530,8 +544,65 @@ def _group_specs(groups: GroupLoop, variables):
   return var_spec, grad_spec, dims, reduced
 
 
+def _replica_specs(groups: GroupLoop, stacked, shared):
+  """(stacked in_specs, shared in_specs, stacked gradient out_specs, shared gradient
+  out_specs) of the pipeline replicas' ``shard_map``: stacked leaves split over "pipe" along
+  the layer axis; FP8 gradients (grad_comm "fp8") come out as :func:`fp8jax.parallel.
+  grad_comm.reduce_over_groups` leaves them, chunked over the groups along a dimension of
+  the stage's local shape."""
+  n, stages = groups.groups, pipe_size(groups.mesh)
+
+  def grad_spec(path, x, stacked_leaf: bool):
+    shape = tuple(np.shape(x))
+    local = (shape[0] // stages, *shape[1:]) if stacked_leaf else shape
+    entries: list = [PIPE if stacked_leaf else None] + [None] * (len(shape) - 1)
+    dim = None
+    if groups.grad_comm == "fp8" and getattr(path[0], "key", None) == "params":
+      dim = grad_comm_lib.fp8_scatter_dim(local, n)
+    if dim is not None:
+      entries[dim] = (PIPE, *groups.axes) if (stacked_leaf and dim == 0) else groups.axes
+    return P(*entries) if shape else P()
+
+  g_stacked = jax.tree_util.tree_map_with_path(lambda p, x: grad_spec(p, x, True), stacked)
+  g_shared = jax.tree_util.tree_map_with_path(lambda p, x: grad_spec(p, x, False), shared)
+  return P(PIPE), P(), g_stacked, g_shared
+
+
+def _replica_microbatches(loop: GroupLoop, stacked, shared, batch, counts, comm):
+  """One pipeline replica's step (inside ``shard_map`` manual over "pipe" and `loop.axes`):
+  its `counts[0]` microbatches of `batch` int32[1, S, m, T+1] through the stages, then the
+  sums over the groups. Returns (mean loss, stacked gradients, shared gradients, comm)."""
+  count = counts[0]
+  run = pipeline_lib.SCHEDULE_FNS[loop.schedule]
+  loss_sum, g_stacked, g_shared = run(stages_of(loop.parts), stacked, shared, batch[0], count,
+                                      stages=pipe_size(loop.mesh), axis=PIPE, sums=True)
+  total, loss_sum = lax.psum((count.astype(jnp.float32), loss_sum), loop.axes)
+  acc = loop.parts.merge(g_stacked, g_shared)
+  params, comm = _sum_over_groups(acc["params"], None, loop, comm)
+  params = jax.tree.map(lambda g: g / total.astype(g.dtype), params)
+  rest = {k: v for k, v in acc.items() if k != "params"}
+  grads = {**(_max_over_groups(rest, loop.axes) if rest else {}), "params": params}
+  return (loss_sum / total, *loop.parts.split(grads), comm)
+
+
 def _group_step(groups: GroupLoop, grad_fn, tx, fused_update):
   """The per-group loop's ``step(state, batch, counts)`` (:func:`make_train_step`)."""
+  def local_grads(variables, batch, counts, comm):
+    spec = P(groups.axes)
+    if groups.schedule is not None:
+      stacked, shared = groups.parts.split(variables)
+      st, sh, g_st, g_sh = _replica_specs(groups, stacked, shared)
+      loss, g_stacked, g_shared, comm = jax.shard_map(
+          functools.partial(_replica_microbatches, groups), mesh=groups.mesh,
+          in_specs=(st, sh, spec, spec, P()), out_specs=(P(), g_st, g_sh, P()),
+          check_vma=False)(stacked, shared, batch, counts, comm)
+      return loss, groups.parts.merge(g_stacked, g_shared), comm
+    var_spec, grad_spec, dims, reduced = _group_specs(groups, variables)
+    local = functools.partial(group_microbatches, grad_fn, groups, dims=dims, reduced=reduced)
+    return jax.shard_map(
+        local, mesh=groups.mesh, in_specs=(var_spec, spec, spec, P()),
+        out_specs=(P(), grad_spec, P()), check_vma=False)(variables, batch, counts, comm)
+
   def group_step(state: TrainState, batch, counts):
     variables = state.variables()
     comm = state.comm if groups.auto else None
@@ -541,12 +612,7 @@ def _group_step(groups: GroupLoop, grad_fn, tx, fused_update):
         raise ValueError(f"comm_scaling='auto' needs state.comm = CommScaling of shape "
                          f"[{want}] (one entry per parameter leaf), got "
                          f"{jax.tree.map(jnp.shape, comm)}; use init_grad_comm_scaling(params)")
-    var_spec, grad_spec, dims, reduced = _group_specs(groups, variables)
-    spec = P(groups.axes)
-    local = functools.partial(group_microbatches, grad_fn, groups, dims=dims, reduced=reduced)
-    loss, grads, comm = jax.shard_map(
-        local, mesh=groups.mesh, in_specs=(var_spec, spec, spec, P()),
-        out_specs=(P(), grad_spec, P()), check_vma=False)(variables, batch, counts, comm)
+    loss, grads, comm = local_grads(variables, batch, counts, comm)
     new, metrics = apply_gradients(state, tx, grads, loss, fused_update)
     if not groups.auto:
       return new, metrics
@@ -685,10 +751,11 @@ def build_step(apply_fn: Callable, tx: optax.GradientTransformation, plan: ZeroP
   """
   loop = UniformLoop() if loop is None else loop
   mesh = plan.mesh
-  if isinstance(loop, PipelineLoop) != (pipe_size(mesh) > 1):
+  staged = isinstance(loop, PipelineLoop) or getattr(loop, "schedule", None) is not None
+  if staged != (pipe_size(mesh) > 1):
     raise ValueError(f"build_step: a plan whose mesh has {pipe_size(mesh)} pipeline stages "
-                     f"needs {'a' if pipe_size(mesh) > 1 else 'no'} PipelineLoop, got "
-                     f"{type(loop).__name__}")
+                     f"needs {'a' if pipe_size(mesh) > 1 else 'no'} pipeline loop "
+                     f"(PipelineLoop, or GroupLoop(schedule=...)), got {type(loop).__name__}")
   wants_size = loop.dynamic or getattr(loop, "counts", None) is not None
   if wants_size and loop.microbatch_size is None:
     raise ValueError("build_step: counts and dynamic need microbatch_size (sequences per "
