@@ -17,7 +17,6 @@ from fp8jax.parallel.tensor import GPT_RULES
 from fp8jax.hardware import DeviceReport, device_reason, gpu_spec
 from fp8jax.models.layers import AUTO, cudnn_attention_reason
 from fp8jax.parallel.capability import gather_reports
-from fp8jax.parallel.layout import group_count
 from fp8jax.parallel.zero import ZeroPlan
 from fp8jax.train.memory import GiB, step_bytes
 from fp8jax.train.optimizer import make_fused_update, make_optimizer, schedule_for
@@ -235,16 +234,22 @@ def run_devices(config) -> list | None:
   return jax.devices()[:1] if _alone(config, jax.process_count()) else None
 
 
+def check_layout(config) -> None:
+  """ValueError (one line naming the numbers) when the config's layout does not fit this
+  run's devices (:func:`run_devices`): ``Config.check_layout``, every rule of
+  ``fp8jax.parallel.layout_rules``. Pure: nothing is compiled or placed."""
+  devices = run_devices(config)
+  config.check_layout(jax.device_count() if devices is None else len(devices))
+
+
 def zero_plan(config, abstract_state, tensor_rules: Sequence = GPT_RULES) -> ZeroPlan:
   """Where `abstract_state` lives on the config's mesh (:func:`run_devices`; one device is a
   mesh of one) and how its step gathers and reduces (``fp8jax.parallel.plan``; the model's
-  `tensor_rules`)."""
+  `tensor_rules`). ValueError when the layout does not fit the devices
+  (:func:`check_layout`)."""
   p = config.parallel
+  check_layout(config)
   mesh = parallel.mesh_from_config(p, run_devices(config))
-  if config.grad_comm() == "fp8" and group_count(mesh) < 2:
-    raise ValueError("parallel.grad_comm='fp8' needs at least 2 data-parallel ranks; this "
-                     f"run has {parallel.describe(mesh)}; use parallel.grad_comm "
-                     "'native' / 'auto' or more devices")
   return parallel.plan(abstract_state, mesh, config.zero_stage(), level=config.level(),
                        offload=p.offload_optimizer, reduce_bucket_size=p.reduce_bucket_size,
                        allgather_bucket_size=p.allgather_bucket_size,

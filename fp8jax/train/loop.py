@@ -49,6 +49,7 @@ class Trainer:
   run in the run folder instead of refusing to mix with it (``resume.claim_run_dir``)."""
 
   def __init__(self, config: Config, progress: bool = True, overwrite: bool = False):
+    build.check_layout(config)  # before reading data or compiling anything
     self.auto = build.choose_auto(config)  # "auto" model settings for these devices
     config = self.auto.apply(config)
     self.config, self.progress, self.overwrite = config, progress, overwrite
