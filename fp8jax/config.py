@@ -692,7 +692,8 @@ class Config(_Section):
     return Layout(
         devices=devices, data=p.data_parallel_size, fsdp=p.fsdp_size,
         tensor=p.tensor_parallel_size, pipe=p.pipeline_parallel_size,
-        batch_size=t.batch_size, microbatches=t.microbatches, grad_comm=self.grad_comm(),
+        batch_size=t.batch_size, microbatches=t.microbatches, zero_stage=self.zero_stage(),
+        grad_comm=self.grad_comm(),
         balanced=p.device_map is not None,
         n_layers=None if model is None else model.n_layers,
         tensor_splits=() if model is None else model_family(self.model.family).tensor_splits(

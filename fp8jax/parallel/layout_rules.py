@@ -18,7 +18,11 @@ returns the first rule the numbers break as one line naming them, or None. The r
    devices, the fixed sizes multiply to the devices of a stage or divide them for a -1 size).
 5. FP8 gradient communication (``parallel.grad_comm: fp8``) has at least 2 data-parallel
    ranks to reduce over.
-6. Unless microbatches are balanced per group (``parallel.device_map``): a microbatch splits
+6. Pipeline stages with tensor parallelism and ZeRO stage 2 or 3 over 2 or more data-parallel
+   ranks are refused: XLA's SPMD partitioner cannot lay out that step (stage 2: the
+   pipeline's stage-to-stage sends deadlock until a rendezvous timeout aborts the process;
+   stage 3: a check failure aborts the compile). Any two of the three work.
+7. Unless microbatches are balanced per group (``parallel.device_map``): a microbatch splits
    evenly over the data-parallel ranks (data x fsdp). Each rank runs the same share of every
    microbatch, the evaluation batch (one microbatch) is split the same way, and the pipeline
    schedule sends each rank's share between stages; with a share that does not divide, the
@@ -26,7 +30,7 @@ returns the first rule the numbers break as one line naming them, or None. The r
    an FP8 model deadlock in XLA (a rendezvous timeout that aborts the process).
 
 The rules are pure (no devices, no JAX arrays): the config checks the ones its numbers
-decide (rules 4-6 only when the data-parallel size does not depend on the device count), and
+decide (rules 4-7 only when the data-parallel size does not depend on the device count), and
 the run checks them all once it knows its devices, before anything is compiled
 (``fp8jax.train.build.zero_plan``).
 """
@@ -49,6 +53,7 @@ class Layout(NamedTuple):
       ``parallel.pipeline_parallel_size``).
     batch_size: sequences per optimizer step (``train.batch_size``).
     microbatches: microbatches per step (``train.microbatches``).
+    zero_stage: the ZeRO stage the run uses (``Config.zero_stage()``).
     grad_comm: "native" or "fp8" (``Config.grad_comm()``).
     balanced: microbatches are counted per data-parallel group (``parallel.device_map``):
       each group runs whole microbatches, so a microbatch need not split over the groups.
@@ -63,6 +68,7 @@ class Layout(NamedTuple):
   pipe: int = 1
   batch_size: int = 1
   microbatches: int = 1
+  zero_stage: int = 0
   grad_comm: str = "native"
   balanced: bool = False
   n_layers: int | None = None
@@ -141,6 +147,13 @@ def check(layout: Layout) -> str | None:
     return (f"parallel.grad_comm='fp8' needs at least 2 data-parallel ranks; this run has "
             f"{ranks} ({_mesh_words(layout, ranks)}); use parallel.grad_comm 'native' / "
             f"'auto' or more data-parallel ranks")
+  if pipe > 1 and layout.tensor > 1 and layout.zero_stage >= 2 and ranks >= 2:
+    return (f"parallel.zero_stage={layout.zero_stage} with parallel.pipeline_parallel_size="
+            f"{pipe} and parallel.tensor_parallel_size={layout.tensor} over {ranks} "
+            f"data-parallel ranks ({_mesh_words(layout, ranks)}) is not supported: XLA's "
+            f"partitioner cannot lay out its gradients (stage 2: the pipeline's sends "
+            f"deadlock; stage 3: it aborts while compiling); use zero_stage 0 or 1, or drop "
+            f"pipeline or tensor parallelism")
   m = b // k
   if not layout.balanced and m % ranks:
     fit = k * ranks * math.ceil(m / ranks)

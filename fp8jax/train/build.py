@@ -224,7 +224,14 @@ def _alone(config, processes: int) -> bool:
 
 def _run_device_count(config, reports: Sequence[DeviceReport]) -> int:
   """How many devices a run of `config` spans on the processes of `reports`."""
-  return 1 if _alone(config, len(reports)) else sum(r.device_count for r in reports)
+  return run_device_count(config, sum(r.device_count for r in reports), len(reports))
+
+
+def run_device_count(config, devices: int, processes: int = 1) -> int:
+  """How many devices a run of `config` spans when `processes` processes hold `devices`
+  devices in all: 1 for a single-process run that asks for no parallelism (see
+  :func:`run_devices`), else `devices`."""
+  return 1 if _alone(config, processes) else devices
 
 
 def run_devices(config) -> list | None:
@@ -238,8 +245,7 @@ def check_layout(config) -> None:
   """ValueError (one line naming the numbers) when the config's layout does not fit this
   run's devices (:func:`run_devices`): ``Config.check_layout``, every rule of
   ``fp8jax.parallel.layout_rules``. Pure: nothing is compiled or placed."""
-  devices = run_devices(config)
-  config.check_layout(jax.device_count() if devices is None else len(devices))
+  config.check_layout(run_device_count(config, jax.device_count(), jax.process_count()))
 
 
 def zero_plan(config, abstract_state, tensor_rules: Sequence = GPT_RULES) -> ZeroPlan:
