@@ -47,19 +47,27 @@ def _seed() -> int:
 
 
 def random_layout(rng) -> list[str]:
-  """--set overrides of one random layout of the worker's model."""
+  """--set overrides of one random layout of the worker's model: mesh sizes, batch,
+  microbatches, ZeRO stage, level, gradient communication; sometimes a batch ramp (the one
+  step runs one microbatch) or balanced per-group counts (``parallel.device_map``)."""
   pipe = int(rng.choice([1, 1, 2, 4]))
   microbatches = int(rng.choice([1, 2, 3, 4, 8]))
+  batch = microbatches * int(rng.choice([1, 2, 3, 4, 6, 8])) + int(rng.random() < 0.1)
   out = [f"parallel.pipeline_parallel_size={pipe}",
          f"parallel.tensor_parallel_size={rng.choice([1, 1, 2, 4])}",
          f"parallel.fsdp_size={rng.choice([1, 1, 2])}",
          f"parallel.zero_stage={rng.integers(4)}",
          f"parallel.grad_comm={rng.choice(['auto', 'native', 'fp8'])}",
          f"train.opt_level={rng.choice(['O0', 'O1', 'O2', 'O3'])}",
-         f"train.microbatches={microbatches}",
-         f"train.batch_size={microbatches * rng.choice([1, 2, 3, 4, 6, 8]) + (rng.random() < 0.1)}"]
+         f"train.microbatches={microbatches}", f"train.batch_size={batch}"]
   if pipe > 1:
     out.append(f"parallel.pipeline_schedule={rng.choice(['gpipe', '1f1b'])}")
+  if rng.random() < 0.2 and batch % microbatches == 0:
+    seq = layouts_worker.BASE["data"]["seq_len"]
+    out.append(f"train.batch_ramp={{start_tokens: {batch // microbatches * seq}, "
+               f"end_tokens: {batch * seq}, ramp_steps: 1}}")
+  if rng.random() < 0.15:
+    out.append("parallel.device_map={cpu: 1.0}")
   return out
 
 
