@@ -8,8 +8,9 @@ returns the first rule the numbers break as one line naming them, or None. The r
 
 1. ``train.microbatches`` divides ``train.batch_size`` (a microbatch is a whole number of
    sequences, the same in every microbatch).
-2. Pipeline stages: at least one microbatch per stage, and every stage holds the same number
-   of consecutive layers (stages divide ``model.n_layers``).
+2. Pipeline stages: at least one microbatch per stage in a full step (``train.microbatches``;
+   a batch ramp's smaller steps leave the rest as bubbles), and every stage holds the same
+   number of consecutive layers (stages divide ``model.n_layers``).
 3. Tensor parallelism: each size the model splits over "tensor" (the reference families:
    attention heads, key/value heads for LLaMA, and the MLP width ``d_ff``) divides by it.
    Nothing else is split over "tensor" (vocabulary and ``d_model`` stay whole; ZeRO shards a
@@ -30,9 +31,9 @@ returns the first rule the numbers break as one line naming them, or None. The r
    an FP8 model deadlock in XLA (a rendezvous timeout that aborts the process).
 
 The rules are pure (no devices, no JAX arrays): the config checks the ones its numbers
-decide (rules 4-7 only when the data-parallel size does not depend on the device count), and
-the run checks them all once it knows its devices, before anything is compiled
-(``fp8jax.train.build.zero_plan``).
+decide (rules 1-3, and 5-7 when the data-parallel size does not depend on the device count:
+no -1 size), and the run checks them all once it knows its devices, before anything is
+compiled (``fp8jax.train.build.check_layout``).
 """
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ def data_ranks(layout: Layout) -> int | None:
   return data * fsdp
 
 
-def _mesh_words(layout: Layout, ranks: int) -> str:
+def _mesh_words(layout: Layout) -> str:
   """The layout's devices and axis sizes, e.g. "8 devices: pipe=2 x data=4 x fsdp=1 x
   tensor=1"."""
   if layout.devices is None:
@@ -145,12 +146,12 @@ def check(layout: Layout) -> str | None:
     return None
   if layout.grad_comm == "fp8" and ranks < 2:
     return (f"parallel.grad_comm='fp8' needs at least 2 data-parallel ranks; this run has "
-            f"{ranks} ({_mesh_words(layout, ranks)}); use parallel.grad_comm 'native' / "
+            f"{ranks} ({_mesh_words(layout)}); use parallel.grad_comm 'native' / "
             f"'auto' or more data-parallel ranks")
   if pipe > 1 and layout.tensor > 1 and layout.zero_stage >= 2 and ranks >= 2:
     return (f"parallel.zero_stage={layout.zero_stage} with parallel.pipeline_parallel_size="
             f"{pipe} and parallel.tensor_parallel_size={layout.tensor} over {ranks} "
-            f"data-parallel ranks ({_mesh_words(layout, ranks)}) is not supported: XLA's "
+            f"data-parallel ranks ({_mesh_words(layout)}) is not supported: XLA's "
             f"partitioner cannot lay out its gradients (stage 2: the pipeline's sends "
             f"deadlock; stage 3: it aborts while compiling); use zero_stage 0 or 1, or drop "
             f"pipeline or tensor parallelism")
@@ -158,7 +159,7 @@ def check(layout: Layout) -> str | None:
   if not layout.balanced and m % ranks:
     fit = k * ranks * math.ceil(m / ranks)
     return (f"train.batch_size={b} / train.microbatches={k} = {m} sequences per microbatch "
-            f"do not split over the {ranks} data-parallel ranks ({_mesh_words(layout, ranks)}); "
+            f"do not split over the {ranks} data-parallel ranks ({_mesh_words(layout)}); "
             f"every rank runs an equal share of each microbatch: use a microbatch size that "
             f"is a multiple of {ranks} (e.g. train.batch_size={fit}) or fewer data-parallel "
             f"ranks")
