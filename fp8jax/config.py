@@ -34,7 +34,9 @@ from fp8jax.data import BYTE_VOCAB
 from fp8jax.interop import hf
 from fp8jax.models.family import FAMILIES, family as model_family
 from fp8jax.models.gpt import ModelConfig
+from fp8jax.parallel import layout_rules
 from fp8jax.parallel.combine import WITHOUT_XLA_MEANING
+from fp8jax.parallel.layout_rules import Layout
 from fp8jax.recipe import LEVELS, OptLevel, Recipe, format_name, opt_level
 
 # Features that are not built yet: (key path, values that work now, what the other values need).
@@ -493,10 +495,6 @@ class TrainSection(_Section):
       _fail(f"train.fused_optimizer=True needs FP16 master weights on one device, i.e. "
             f"train.opt_level {fused}, not {self.opt_level!r}; use {fused} or "
             f"fused_optimizer false")
-    if self.batch_size % self.microbatches:
-      divisors = [d for d in range(1, self.batch_size + 1) if self.batch_size % d == 0]
-      _fail(f"train.microbatches={self.microbatches} does not divide "
-            f"train.batch_size={self.batch_size}; use one of {divisors[:16]}")
 
   @property
   def level(self) -> OptLevel:
@@ -659,6 +657,7 @@ class Config(_Section):
   runtime: RuntimeSection = _section(RuntimeSection)
 
   def _check(self):
+    self.check_layout()
     self._check_data_fits_model()
     self._check_offload()
     self._check_tensor_parallel()
@@ -685,25 +684,42 @@ class Config(_Section):
     (``OptLevel.zero_stage_for``; O3: 1)."""
     return self.train.level.zero_stage_for(self.parallel.zero_stage)
 
+  def layout(self, devices: int | None = None) -> Layout:
+    """The run's layout numbers (``fp8jax.parallel.layout_rules``) on `devices` devices
+    (None: not known yet)."""
+    p, t = self.parallel, self.train
+    model = self.model.model_config()
+    return Layout(
+        devices=devices, data=p.data_parallel_size, fsdp=p.fsdp_size,
+        tensor=p.tensor_parallel_size, pipe=p.pipeline_parallel_size,
+        batch_size=t.batch_size, microbatches=t.microbatches, zero_stage=self.zero_stage(),
+        grad_comm=self.grad_comm(),
+        balanced=p.device_map is not None,
+        n_layers=None if model is None else model.n_layers,
+        tensor_splits=() if model is None else model_family(self.model.family).tensor_splits(
+            model))
+
+  def check_layout(self, devices: int | None = None) -> None:
+    """ValueError (one line naming the numbers) when the run's layout on `devices` devices
+    breaks a rule of ``fp8jax.parallel.layout_rules``; with `devices` None only the rules
+    the config decides by itself. Called when the config is built and again by the run
+    once it knows its devices (``fp8jax.train.build.zero_plan``), before any compile."""
+    message = layout_rules.check(self.layout(devices))
+    if message is not None:
+      _fail(message)
+
   def _check_tensor_parallel(self):
     tp = self.parallel.tensor_parallel_size
     if tp == 1:
       return
-    model = self.model.model_config()
-    if model is not None:
-      try:
-        model_family(self.model.family).check_tensor_parallel(model, tp)
-      except ValueError as e:
-        _fail(str(e))
     if self.parallel.device_map is not None:
       _fail(f"parallel.tensor_parallel_size={tp} with parallel.device_map is not supported yet "
             "(the balanced step replicates the weights in each group); drop one of them")
 
   def _check_pipeline(self):
-    """Pipeline stages (``fp8jax.parallel.pipeline``): the reference families only, layers
-    and microbatches enough for the stages, and none of the features it does not run with."""
-    p, t = self.parallel, self.train
-    pp = p.pipeline_parallel_size
+    """Pipeline stages (``fp8jax.parallel.pipeline``): the reference families only (layers
+    and microbatches per stage: ``fp8jax.parallel.layout_rules``)."""
+    pp = self.parallel.pipeline_parallel_size
     if pp == 1:
       return
     where = f"parallel.pipeline_parallel_size={pp}"
@@ -711,14 +727,6 @@ class Config(_Section):
       _fail(f"{where} with model.builder={self.model.builder!r} is not supported: the "
             f"pipeline cuts the model into embedding, layer stack and head, which only the "
             f"reference families ({', '.join(FAMILIES)}) expose; use pipeline_parallel_size 1")
-    model = self.model.model_config()
-    if model is not None and model.n_layers % pp:
-      _fail(f"{where} does not divide model.n_layers={model.n_layers}: every stage holds "
-            f"n_layers / pipeline_parallel_size consecutive layers; use a pipeline size that "
-            f"divides {model.n_layers}")
-    if t.microbatches < pp:
-      _fail(f"{where} needs train.microbatches >= {pp} (one per stage at least; more shrink "
-            f"the pipeline bubble (P-1)/(k+P-1)), got train.microbatches={t.microbatches}")
 
   def grad_comm(self) -> str:
     """How the run reduces gradients: "fp8" or "native". "auto" resolves to "native" (the

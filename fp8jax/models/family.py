@@ -12,7 +12,8 @@ import dataclasses
 from typing import Any, Callable
 
 from fp8jax.models import gpt, layers, llama
-from fp8jax.parallel.tensor import GPT_RULES, Rule, check_divisible
+from fp8jax.parallel.layout_rules import tensor_message
+from fp8jax.parallel.tensor import GPT_RULES, Rule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +29,9 @@ class Family:
     matmul_param_count: ``config -> int``: weights taking part in a GEMM per token.
     param_count: ``params -> int``: parameter scalars of a params tree.
     tensor_rules: tensor-parallel rules (``fp8jax.parallel.plan(..., tensor_rules=)``).
-    check_tensor_parallel: ``(config, tensor_size) -> None``; ValueError (naming the
-      ``model.*`` key) when the config does not split that many ways.
+    tensor_splits: ``config -> ((config key, size), ...)``: the sizes its tensor rules split
+      over "tensor" (each must divide by the tensor size:
+      ``fp8jax.parallel.layout_rules``).
   """
 
   name: str
@@ -40,7 +42,13 @@ class Family:
   matmul_param_count: Callable[[Any], int]
   param_count: Callable[[Any], int]
   tensor_rules: tuple[Rule, ...]
-  check_tensor_parallel: Callable[[Any, int], None]
+  tensor_splits: Callable[[Any], tuple[tuple[str, int], ...]]
+
+  def check_tensor_parallel(self, config, tensor: int) -> None:
+    """ValueError (naming the ``model.*`` key) when `config` does not split `tensor` ways."""
+    message = tensor_message(self.tensor_splits(config), tensor)
+    if message:
+      raise ValueError(message)
 
   def model(self, config, recipe=None):
     """``module_cls(config, recipe)``, after checking `config` is this family's."""
@@ -50,17 +58,18 @@ class Family:
     return self.module_cls(config, recipe)
 
 
-def _gpt_check_tensor_parallel(config: gpt.ModelConfig, tensor: int) -> None:
-  check_divisible(config.n_heads, config.d_ff, tensor)
+def _gpt_tensor_splits(config: gpt.ModelConfig) -> tuple[tuple[str, int], ...]:
+  """GPT's tensor rules split the attention heads and the MLP width."""
+  return (("model.n_heads", config.n_heads), ("model.d_ff", config.d_ff))
 
 
 FAMILIES: dict[str, Family] = {
     "gpt": Family("gpt", gpt.ModelConfig, gpt.GPT, gpt.init_model, gpt.flops_per_token,
                   gpt.matmul_param_count, layers.param_count, GPT_RULES,
-                  _gpt_check_tensor_parallel),
+                  _gpt_tensor_splits),
     "llama": Family("llama", llama.LlamaConfig, llama.Llama, llama.init_model,
                     llama.flops_per_token, llama.matmul_param_count, layers.param_count,
-                    llama.LLAMA_RULES, llama.check_tensor_parallel),
+                    llama.LLAMA_RULES, llama.tensor_splits),
 }
 
 

@@ -26,6 +26,7 @@ import numpy as np
 from fp8jax import Recipe
 from fp8jax.models import layers
 from fp8jax.models.layers import ATTENTION_IMPLS, DTYPES, PARAM_DTYPES, REMAT_POLICIES
+from fp8jax.parallel.layout_rules import tensor_message
 from fp8jax.parallel.tensor import Rule
 
 _POSITIVE = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
@@ -240,13 +241,18 @@ def flops_per_token(config: LlamaConfig, seq_len: int) -> float:
   return float(6 * matmul_param_count(config) + layers.attention_flops_per_token(config, seq_len))
 
 
+def tensor_splits(config: LlamaConfig) -> tuple[tuple[str, int], ...]:
+  """The sizes LLaMA's tensor rules split over "tensor": the key/value heads (and with them
+  the query heads, a multiple of them) and the MLP width."""
+  return (("model.n_kv_heads", config.n_kv_heads), ("model.d_ff", config.d_ff))
+
+
 def check_tensor_parallel(config: LlamaConfig, tensor: int) -> None:
-  """Raises ValueError when `config` does not split `tensor` ways (key/value heads, and
-  with them the query heads, and d_ff must divide)."""
-  for name, value in (("model.n_kv_heads", config.n_kv_heads), ("model.d_ff", config.d_ff)):
-    if value % tensor:
-      raise ValueError(f"{name}={value} does not split over parallel.tensor_parallel_size="
-                       f"{tensor}; use a tensor size that divides {name}")
+  """Raises ValueError when `config` does not split `tensor` ways (:func:`tensor_splits`
+  must divide)."""
+  message = tensor_message(tensor_splits(config), tensor)
+  if message:
+    raise ValueError(message)
 
 
 def init_model(config: LlamaConfig, recipe: Recipe | None, key, batch_size: int,

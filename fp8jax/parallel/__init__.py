@@ -10,6 +10,8 @@ offload, and ``initialize()`` for multi-host runs.
   (where the state lives, how weights are gathered and gradients laid out: stage 3 per use,
   ``ZeroPlan.weight_gather`` and :mod:`fp8jax.fsdp`), :func:`reduce_gradients`.
 * :mod:`fp8jax.parallel.layout`: batch placement and data-parallel groups.
+* :mod:`fp8jax.parallel.layout_rules`: which layouts (mesh sizes x batch x microbatches x ZeRO
+  stage x model sizes) a run can take, as one-line refusals (``docs/layouts.md``).
 * :mod:`fp8jax.parallel.grad_comm`: gradient sums over groups inside ``shard_map`` (f32 or
   FP8 reduce-scatter with its scaling state).
 * :mod:`fp8jax.parallel.distributed`: :func:`initialize` (explicit arguments, the

@@ -32,7 +32,6 @@ The model comes cut into :class:`fp8jax.parallel.pipeline.Stages` (``first``, ``
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable
 
 import jax

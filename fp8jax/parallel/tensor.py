@@ -54,11 +54,3 @@ def tensor_dim(path: str, shape: Sequence[int], mesh: Mesh,
     if piece in path and len(shape) >= rank and shape[dim] % n == 0:
       return len(shape) + dim
   return None
-
-
-def check_divisible(n_heads: int, d_ff: int, tensor: int) -> None:
-  """Raises ValueError when the reference model cannot be split `tensor` ways."""
-  for name, value in (("model.n_heads", n_heads), ("model.d_ff", d_ff)):
-    if value % tensor:
-      raise ValueError(f"{name}={value} does not split over parallel.tensor_parallel_size="
-                       f"{tensor}; use a tensor size that divides {name}")

@@ -17,7 +17,6 @@ from fp8jax.parallel.tensor import GPT_RULES
 from fp8jax.hardware import DeviceReport, device_reason, gpu_spec
 from fp8jax.models.layers import AUTO, cudnn_attention_reason
 from fp8jax.parallel.capability import gather_reports
-from fp8jax.parallel.layout import group_count
 from fp8jax.parallel.zero import ZeroPlan
 from fp8jax.train.memory import GiB, step_bytes
 from fp8jax.train.optimizer import make_fused_update, make_optimizer, schedule_for
@@ -225,7 +224,14 @@ def _alone(config, processes: int) -> bool:
 
 def _run_device_count(config, reports: Sequence[DeviceReport]) -> int:
   """How many devices a run of `config` spans on the processes of `reports`."""
-  return 1 if _alone(config, len(reports)) else sum(r.device_count for r in reports)
+  return run_device_count(config, sum(r.device_count for r in reports), len(reports))
+
+
+def run_device_count(config, devices: int, processes: int = 1) -> int:
+  """How many devices a run of `config` spans when `processes` processes hold `devices`
+  devices in all: 1 for a single-process run that asks for no parallelism (see
+  :func:`run_devices`), else `devices`."""
+  return 1 if _alone(config, processes) else devices
 
 
 def run_devices(config) -> list | None:
@@ -235,16 +241,21 @@ def run_devices(config) -> list | None:
   return jax.devices()[:1] if _alone(config, jax.process_count()) else None
 
 
+def check_layout(config) -> None:
+  """ValueError (one line naming the numbers) when the config's layout does not fit this
+  run's devices (:func:`run_devices`): ``Config.check_layout``, every rule of
+  ``fp8jax.parallel.layout_rules``. Pure: nothing is compiled or placed."""
+  config.check_layout(run_device_count(config, jax.device_count(), jax.process_count()))
+
+
 def zero_plan(config, abstract_state, tensor_rules: Sequence = GPT_RULES) -> ZeroPlan:
   """Where `abstract_state` lives on the config's mesh (:func:`run_devices`; one device is a
   mesh of one) and how its step gathers and reduces (``fp8jax.parallel.plan``; the model's
-  `tensor_rules`)."""
+  `tensor_rules`). ValueError when the layout does not fit the devices
+  (:func:`check_layout`)."""
   p = config.parallel
+  check_layout(config)
   mesh = parallel.mesh_from_config(p, run_devices(config))
-  if config.grad_comm() == "fp8" and group_count(mesh) < 2:
-    raise ValueError("parallel.grad_comm='fp8' needs at least 2 data-parallel ranks; this "
-                     f"run has {parallel.describe(mesh)}; use parallel.grad_comm "
-                     "'native' / 'auto' or more devices")
   return parallel.plan(abstract_state, mesh, config.zero_stage(), level=config.level(),
                        offload=p.offload_optimizer, reduce_bucket_size=p.reduce_bucket_size,
                        allgather_bucket_size=p.allgather_bucket_size,

@@ -1,9 +1,10 @@
 """The Trainer: a config -> model, data, optimizer and sharded state -> steps with validation,
 logs, checkpoints and guards.
 
-Setup (``Trainer.__init__``): the config's "auto" model settings resolved for the devices
-(``build.choose_auto``), the config's model and optimizer (``fp8jax.train.build``), the
-agreed FP8 capability of every process, the abstract state (``jax.eval_shape``), its ZeRO plan
+Setup (``Trainer.__init__``): the config's layout checked against the devices
+(``build.check_layout``: one-line refusals before data or compiles), its "auto" model
+settings resolved for the devices (``build.choose_auto``), the config's model and optimizer
+(``fp8jax.train.build``), the agreed FP8 capability of every process, the abstract state (``jax.eval_shape``), its ZeRO plan
 on the config's mesh (one device is a mesh of one), then the state initialised straight into
 its shardings. Every step, whatever the layout, comes from ``build.StepCache`` (one builder:
 ``fp8jax.train.step.build_step``). :meth:`Trainer.run` is the loop.
@@ -49,6 +50,7 @@ class Trainer:
   run in the run folder instead of refusing to mix with it (``resume.claim_run_dir``)."""
 
   def __init__(self, config: Config, progress: bool = True, overwrite: bool = False):
+    build.check_layout(config)  # before reading data or compiling anything
     self.auto = build.choose_auto(config)  # "auto" model settings for these devices
     config = self.auto.apply(config)
     self.config, self.progress, self.overwrite = config, progress, overwrite

@@ -10,7 +10,6 @@ import random
 import re
 
 import numpy as np
-import pytest
 
 import fp8jax
 from fp8jax.config import config_from_dict

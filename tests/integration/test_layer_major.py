@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 
 from fp8jax import parallel
 from fp8jax.linen import FP8_COLLECTION
