@@ -22,6 +22,7 @@ from fp8jax.parallel.zero import ZeroPlan
 from fp8jax.train.memory import GiB, step_bytes
 from fp8jax.train.optimizer import make_fused_update, make_optimizer, schedule_for
 from fp8jax.train.model import RunModel
+from fp8jax.train.evaluation import EvalStep, Probe, build_eval_step, build_probe
 from fp8jax.train.step import PipelineLoop, TrainStep, build_step
 
 AUTO_FIELDS = ("attention_impl", "remat_policy", "scan_layers")
@@ -277,6 +278,37 @@ def pipeline_loop(config, plan: ZeroPlan, model) -> PipelineLoop | None:
   return PipelineLoop(plan.mesh, model.parts(), config.parallel.pipeline_schedule)
 
 
+def matrix_dtype(config) -> str | None:
+  """The dtype a run's steps decode FP16 master GEMM weights to: the model's compute dtype
+  (None for a builder's module: decoded to f32)."""
+  return config.model.dtype if config.model.builder is None else None
+
+
+def eval_step(config, plan: ZeroPlan, model) -> EvalStep:
+  """The run's evaluation step on the train step's memory plan
+  (``fp8jax.train.evaluation.build_eval_step``): up to ``train.microbatches`` microbatches of
+  ``train.microbatch_size`` sequences per call, `model` applied as the step applies it."""
+  t = config.train
+  return build_eval_step(model.apply, plan, t.microbatches, t.microbatch_size,
+                         pipeline=pipeline_loop(config, plan, model),
+                         matrix_dtype=matrix_dtype(config))
+
+
+def fp8_probe(config, plan: ZeroPlan, model, health: bool) -> Probe:
+  """The run's FP8 probe on one train-step microbatch (``fp8jax.train.evaluation.
+  build_probe``: cast health when `health`, calibrated scales) of `model` (the uncalibrated
+  model). With pipeline stages it applies the model whole, not stage by stage (see
+  :func:`calibrates_by_probe`)."""
+  return build_probe(model, plan, config.train.microbatch_size, health=health,
+                     matrix_dtype=matrix_dtype(config))
+
+
+def calibrates_by_probe(config) -> bool:
+  """Whether a run's calibration is a probe pass before its first step (one compiled train
+  step) rather than uncalibrated first steps: everywhere but with pipeline stages."""
+  return config.parallel.pipeline_parallel_size == 1
+
+
 class StepCache:
   """The run's compiled train steps: one per model, or one per (model, microbatch count) when
   the count is fixed per step.
@@ -316,7 +348,7 @@ class StepCache:
           grad_comm=c.grad_comm(), comm_scaling=c.parallel.grad_comm_scaling,
           growth_interval=c.grad_comm_growth_interval(), fused_update=self.fused_update,
           cast_weights=weight_cast_fn(c, model, microbatches),
-          matrix_dtype=c.model.dtype if c.model.builder is None else None,
+          matrix_dtype=matrix_dtype(c),
           gathers_at_use=getattr(model, "gathers_at_use", False),
           layer_stacks=getattr(model, "layer_stacks", ()),
           pipeline=pipeline_loop(c, self.plan, model)))
