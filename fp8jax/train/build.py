@@ -290,6 +290,7 @@ def eval_step(config, plan: ZeroPlan, model) -> EvalStep:
   ``train.microbatch_size`` sequences per call, `model` applied as the step applies it."""
   t = config.train
   return build_eval_step(model.apply, plan, t.microbatches, t.microbatch_size,
+                         balanced=config.parallel.device_map is not None,
                          pipeline=pipeline_loop(config, plan, model),
                          matrix_dtype=matrix_dtype(config))
 
@@ -299,7 +300,9 @@ def fp8_probe(config, plan: ZeroPlan, model, health: bool) -> Probe:
   build_probe``: cast health when `health`, calibrated scales) of `model` (the uncalibrated
   model). With pipeline stages it applies the model whole, not stage by stage (see
   :func:`calibrates_by_probe`)."""
-  return build_probe(model, plan, config.train.microbatch_size, health=health,
+  t = config.train
+  return build_probe(model, plan, t.microbatches, t.microbatch_size, health=health,
+                     balanced=config.parallel.device_map is not None,
                      matrix_dtype=matrix_dtype(config))
 
 

@@ -48,8 +48,9 @@ def cache_dir(setting: str | bool) -> str | None:
 def use_compile_cache(setting: str | bool) -> str | None:
   """Points JAX's persistent compilation cache at :func:`cache_dir` of `setting` (None: off)
   for the rest of the process, with :data:`MIN_COMPILE_SECONDS` and :data:`MAX_CACHE_BYTES`
-  unless their environment variables set them; returns the folder (created if missing). Compiles after the call
-  read and write it (a change of folder drops the process's handle on the old one)."""
+  unless their environment variables set them; returns the folder (created if missing).
+  Compiles after the call read and write it (a change of folder drops the process's handle
+  on the old one)."""
   path = cache_dir(setting)
   if path is not None:
     os.makedirs(path, exist_ok=True)

@@ -27,7 +27,7 @@ from fp8jax.parallel.zero import ZeroPlan
 from fp8jax.train import health as health_lib
 from fp8jax.train.calibration import calibrated_scales
 from fp8jax.train.state import TrainState
-from fp8jax.train.step import PipelineLoop, next_token_loss
+from fp8jax.train.step import PipelineLoop, next_token_loss, scan_microbatches
 
 
 def _variables(params, fp8, matrix_dtype) -> dict:
@@ -36,24 +36,20 @@ def _variables(params, fp8, matrix_dtype) -> dict:
   return TrainState(jnp.zeros((), jnp.int32), params, fp8, ()).variables(matrix_dtype)
 
 
-def microbatch_sharding(plan: ZeroPlan, microbatch_size: int) -> NamedSharding:
-  """Where a microbatch int32[m, T+1] lives: split over the plan's batch axes like the train
-  step's, or replicated when `microbatch_size` does not divide over them (a balanced split,
-  whose groups each run whole microbatches)."""
-  spec = tuple(plan.batch.spec)
-  axes = spec[0] if spec else None
-  names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-  ways = int(np.prod([plan.mesh.shape[a] for a in names])) if names else 1
-  if ways > 1 and microbatch_size % ways == 0:
-    return NamedSharding(plan.mesh, P(axes))
-  return layout.replicated(plan.mesh)
+def batch_sharding(plan: ZeroPlan, balanced: bool = False) -> NamedSharding:
+  """Where a batch int32[k m, T+1] of the train step's size lives: the step's batch
+  sharding, or replicated in a balanced run (``parallel.device_map``: groups run whole
+  microbatches of their own)."""
+  return layout.replicated(plan.mesh) if balanced else plan.batch
 
 
-def make_eval_loop(apply_fn: Callable, *, weight_gather: fsdp.WeightGather | None = None,
+def make_eval_loop(apply_fn: Callable, microbatches: int, *,
+                   weight_gather: fsdp.WeightGather | None = None,
                    pipeline: PipelineLoop | None = None, matrix_dtype=None) -> Callable:
-  """A jittable ``eval_step(params, fp8, parts int32[k, m, T+1], count int32[]) ->
-  (loss_sum f32[], tokens f32[])``: the summed next-token loss (nats) and the number of
-  predicted tokens of the first `count` microbatches of `parts`, run one after another.
+  """A jittable ``eval_step(params, fp8, batch int32[k m, T+1], count int32[]) -> (loss_sum
+  f32[], tokens f32[])``: the summed next-token loss (nats) and the number of predicted
+  tokens of the first `count` of the batch's k = `microbatches` microbatches, run one after
+  another as the train step runs them (``fp8jax.train.step.scan_microbatches``).
 
   `params`, `fp8`: the train state's (``TrainState.params``, ``.fp8``); `weight_gather`:
   ZeRO-3's (the model gathers its parameters at use); `pipeline`: each microbatch runs
@@ -69,26 +65,39 @@ def make_eval_loop(apply_fn: Callable, *, weight_gather: fsdp.WeightGather | Non
     with fsdp.gathering(weight_gather):
       return next_token_loss(apply_fn, variables, part)
 
-  def eval_step(params, fp8, parts, count):
+  def eval_step(params, fp8, batch, count):
     variables = _variables(params, fp8, matrix_dtype)  # decoded once, for every microbatch
-    tokens_each = parts.shape[1] * (parts.shape[2] - 1)
-
-    def add(i, total):
-      part = lax.dynamic_index_in_dim(parts, i, keepdims=False)
-      return total + microbatch_loss(variables, part).astype(jnp.float32) * tokens_each
-
-    total = lax.fori_loop(0, count, add, jnp.zeros((), jnp.float32))
-    return total, count.astype(jnp.float32) * tokens_each
+    # The loop's "gradients" are an empty tree: it sums and averages the losses alone.
+    loss_only = lambda none, part: (microbatch_loss(variables, part), none)
+    mean, _ = scan_microbatches(loss_only, {"params": {}}, batch, microbatches, count)
+    tokens = count.astype(jnp.float32) * (batch.shape[0] // microbatches) * (batch.shape[1] - 1)
+    return mean * tokens, tokens
   return eval_step
+
+
+def _step_batch(batch: Sequence[np.ndarray] | np.ndarray, microbatches: int,
+                microbatch_size: int) -> tuple[np.ndarray, int]:
+  """(int32[microbatches * microbatch_size, T+1], n): the n given microbatches (a list of
+  int32[m, T+1], or their concatenation) followed by zero slots no loop reads."""
+  rows = np.concatenate([np.asarray(b, np.int32) for b in batch]) if isinstance(
+      batch, (list, tuple)) else np.asarray(batch, np.int32)
+  n, rest = divmod(rows.shape[0], microbatch_size)
+  if rest or not 1 <= n <= microbatches:
+    raise ValueError(f"expected 1..{microbatches} microbatches of {microbatch_size} "
+                     f"sequences, got {rows.shape[0]} sequences")
+  padded = np.zeros((microbatches * microbatch_size, *rows.shape[1:]), np.int32)
+  padded[:rows.shape[0]] = rows
+  return padded, n
 
 
 class EvalStep(NamedTuple):
   """A jitted evaluation step (:func:`make_eval_loop`) and the placement of its batch.
 
   Attributes:
-    jitted: ``(params, fp8, parts, count) -> (loss_sum, tokens)``.
-    place: ``list of 1..microbatches microbatches int32[m, T+1] (numpy, the same on every
-      process) -> (parts, count)`` placed; missing microbatches are zero slots no loop reads.
+    jitted: ``(params, fp8, batch, count) -> (loss_sum, tokens)``.
+    place: ``1..microbatches microbatches (a list of int32[m, T+1] or their concatenation;
+      numpy, the same on every process) -> (batch, count)`` placed as the train step places
+      its batch; missing microbatches are zero slots no loop reads.
     microbatches: the most microbatches one call runs (the train step's count).
   """
 
@@ -96,36 +105,29 @@ class EvalStep(NamedTuple):
   place: Callable
   microbatches: int
 
-  def __call__(self, state, microbatches: Sequence[np.ndarray]):
+  def __call__(self, state, microbatches):
     """(loss_sum, tokens) of `microbatches` (at most :attr:`microbatches`) under `state`."""
     return self.jitted(state.params, state.fp8, *self.place(microbatches))
 
 
 def build_eval_step(apply_fn: Callable, plan: ZeroPlan, microbatches: int,
-                    microbatch_size: int, *, pipeline: PipelineLoop | None = None,
-                    matrix_dtype=None) -> EvalStep:
-  """The :class:`EvalStep` of the train step's plan: `microbatches` microbatches of
-  `microbatch_size` sequences per call, each placed as the step places one
-  (:func:`microbatch_sharding`), parameters and FP8 state in the plan's shardings."""
-  part = microbatch_sharding(plan, microbatch_size)
-  parts = NamedSharding(plan.mesh, P(None, *part.spec))
-  scalar = layout.replicated(plan.mesh)
-  step = make_eval_loop(apply_fn, weight_gather=None if pipeline else plan.weight_gather(),
+                    microbatch_size: int, *, balanced: bool = False,
+                    pipeline: PipelineLoop | None = None, matrix_dtype=None) -> EvalStep:
+  """The :class:`EvalStep` of the train step's plan: up to `microbatches` microbatches of
+  `microbatch_size` sequences per call in a batch placed as the step's
+  (:func:`batch_sharding`; `balanced`: a balanced run), parameters and FP8 state in the
+  plan's shardings."""
+  sharding, scalar = batch_sharding(plan, balanced), layout.replicated(plan.mesh)
+  step = make_eval_loop(apply_fn, microbatches,
+                        weight_gather=None if pipeline else plan.weight_gather(),
                         pipeline=pipeline, matrix_dtype=matrix_dtype)
-  jitted = jax.jit(step, in_shardings=(plan.state.params, plan.state.fp8, parts, scalar),
+  jitted = jax.jit(step, in_shardings=(plan.state.params, plan.state.fp8, sharding, scalar),
                    out_shardings=(scalar, scalar),
                    compiler_options=plan.compiler_options or None)
 
-  def place(batch: Sequence[np.ndarray]):
-    batch = [np.asarray(b, np.int32) for b in batch]
-    if not 1 <= len(batch) <= microbatches or any(
-        b.shape != batch[0].shape or b.shape[0] != microbatch_size for b in batch):
-      raise ValueError(f"an evaluation call takes 1..{microbatches} microbatches of "
-                       f"{microbatch_size} sequences, got shapes {[b.shape for b in batch]}")
-    stacked = np.zeros((microbatches, *batch[0].shape), np.int32)
-    stacked[:len(batch)] = batch
-    return (layout.put_global(stacked, parts),
-            layout.put_global(np.int32(len(batch)), scalar))
+  def place(batch):
+    rows, n = _step_batch(batch, microbatches, microbatch_size)
+    return layout.put_global(rows, sharding), layout.put_global(np.int32(n), scalar)
   return EvalStep(jitted, place, microbatches)
 
 
@@ -133,16 +135,18 @@ class Probe(NamedTuple):
   """The jitted FP8 probe of a run (:func:`build_probe`).
 
   Attributes:
-    jitted: ``(params, fp8, microbatch) -> (health, fp8)``.
-    place: ``microbatch int32[m, T+1] (numpy) -> placed microbatch``.
+    jitted: ``(params, fp8, batch) -> (health, fp8)``.
+    place: ``batch (1..k microbatches int32[m, T+1], concatenated; numpy) -> placed batch``
+      (the train step's shape and placement).
   """
 
   jitted: Callable
   place: Callable
 
-  def __call__(self, state, microbatch: np.ndarray):
-    """(health {name: f32[]}, FP8 state with calibrated scales) of `microbatch`."""
-    return self.jitted(state.params, state.fp8, self.place(microbatch))
+  def __call__(self, state, batch):
+    """(health {name: f32[]}, FP8 state with calibrated scales) of `batch`'s first
+    microbatch."""
+    return self.jitted(state.params, state.fp8, self.place(batch))
 
 
 def fp8_updates(apply_fn: Callable, variables: dict, batch: jax.Array) -> dict:
@@ -155,25 +159,30 @@ def fp8_updates(apply_fn: Callable, variables: dict, batch: jax.Array) -> dict:
   return apply_fp8_updates({FP8_COLLECTION: fp8}, {FP8_COLLECTION: grads})[FP8_COLLECTION]
 
 
-def build_probe(model, plan: ZeroPlan, microbatch_size: int, *, health: bool,
-                matrix_dtype=None) -> Probe:
+def build_probe(model, plan: ZeroPlan, microbatches: int, microbatch_size: int, *,
+                health: bool, balanced: bool = False, matrix_dtype=None) -> Probe:
   """The FP8 probe of `model` (the uncalibrated model: on observed FP8 state it casts as the
-  calibrated one) on one microbatch of the train step's plan: ``(health, fp8)`` where health
-  is ``fp8jax.train.health.probe``'s (`health` True: a linen model; else {}) and fp8 is the
-  state with :func:`fp8jax.train.calibration.calibrated_scales` from this microbatch."""
-  part = microbatch_sharding(plan, microbatch_size)
+  calibrated one) on the first microbatch of a batch of the train step's shape and placement
+  (`microbatches` x `microbatch_size` sequences; `balanced`: see :func:`batch_sharding`):
+  ``(health, fp8)`` where health is ``fp8jax.train.health.probe``'s (`health` True: a linen
+  model; else {}) and fp8 is the state with :func:`fp8jax.train.calibration.
+  calibrated_scales` from that microbatch."""
+  sharding = batch_sharding(plan, balanced)
   gather = plan.weight_gather()
 
-  def fp8_probe(params, fp8, microbatch):
+  def fp8_probe(params, fp8, batch):
     variables = _variables(params, fp8, matrix_dtype)
+    # the first microbatch, sliced as the train step's loop slices it
+    part = batch.reshape(microbatches, microbatch_size, *batch.shape[1:])[0]
     with fsdp.gathering(gather):
       if health:
-        out, observed = health_lib.probe(model, variables, microbatch)
+        out, observed = health_lib.probe(model, variables, part)
       else:
-        out, observed = {}, fp8_updates(model.apply, variables, microbatch)
+        out, observed = {}, fp8_updates(model.apply, variables, part)
     return out, calibrated_scales(fp8, observed)
 
-  jitted = jax.jit(fp8_probe, in_shardings=(plan.state.params, plan.state.fp8, part),
+  jitted = jax.jit(fp8_probe, in_shardings=(plan.state.params, plan.state.fp8, sharding),
                    out_shardings=(layout.replicated(plan.mesh), plan.state.fp8),
                    compiler_options=plan.compiler_options or None)
-  return Probe(jitted, lambda microbatch: layout.put_global(microbatch, part))
+  return Probe(jitted, lambda batch: layout.put_global(
+      _step_batch(batch, microbatches, microbatch_size)[0], sharding))

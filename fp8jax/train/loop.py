@@ -233,7 +233,7 @@ class Trainer:
       cal = self.calibration
       if self._calibrate is not None and cal.wants_pass(state.fp8):
         self._phase = oom.CALIBRATION
-        _, fp8 = self._calibrate(state, batch[:self.config.train.microbatch_size])
+        _, fp8 = self._calibrate(state, batch)  # (its first microbatch)
         state = state._replace(fp8=fp8)
         cal.passed()
       first = cal.uses_first(state.fp8)
@@ -315,7 +315,7 @@ class Trainer:
 
   def _probe_health(self, step: int, batch) -> None:
     """Writes the FP8 cast health of the first microbatch of `batch` (``fp8/...``)."""
-    health, _ = self._probe(self.state, batch[:self.config.train.microbatch_size])
+    health, _ = self._probe(self.state, batch)
     self.writer.write(step + 1, {k: float(v) for k, v in health.items()})
 
   # ------------------------------------------------------------------ layout
@@ -370,7 +370,10 @@ class Trainer:
     except jax.errors.JaxRuntimeError as error:
       if not oom.is_out_of_memory(error):
         raise
-      saved = self._keep_after_out_of_memory() if self.checkpoints is not None else ""
+      saved = (self._keep_after_out_of_memory() if self.checkpoints is not None else
+               "" if self._phase == oom.INIT else
+               "Checkpointing is off: the steps done are lost (checkpoint."
+               "checkpoint_every_n_steps keeps them)")
       raise oom.OutOfMemory(oom.diagnosis(self._phase, error, self.config, saved)) from None
 
   def _keep_after_out_of_memory(self) -> str:

@@ -14,7 +14,8 @@ INIT, CALIBRATION, STEP, EVAL, PROBE, WATCHDOG, CHECKPOINT, RESTORE = (
 _UNITS = {"": 1, "b": 1, "byte": 1, "bytes": 1, "k": 2**10, "kb": 2**10, "kib": 2**10,
           "m": 2**20, "mb": 2**20, "mib": 2**20, "g": GiB, "gb": GiB, "gib": GiB,
           "t": 2**40, "tb": 2**40, "tib": 2**40}
-_ALLOCATE = re.compile(r"allocat\w*\s+([0-9]+(?:\.[0-9]+)?)\s*([kmgt]i?b?|bytes?|b)?\b", re.I)
+_ALLOCATE = re.compile(r"allocat\w*\s+(?:request\s+for\s+)?([0-9]+(?:\.[0-9]+)?)\s*"
+                       r"([kmgt]i?b?|bytes?|b)?\b", re.I)
 
 
 class OutOfMemory(RuntimeError):
@@ -30,7 +31,8 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 def requested_bytes(message: str) -> float | None:
   """The allocation XLA's out-of-memory `message` names ("... trying to allocate 152.31GiB",
-  "... allocate 1234 bytes"); None when it names none."""
+  "... allocate 1234 bytes", "Failed to allocate request for 2.5MiB"); None when it names
+  none."""
   m = _ALLOCATE.search(message)
   if m is None:
     return None
@@ -66,17 +68,17 @@ def advice(phase: str, config) -> str:
     state.append("parallel.zero_stage=3 over more devices")
   if not p.offload_optimizer:
     state.append("parallel.offload_optimizer=true")
-  off = {EVAL: "or train.eval_every=0 (no evaluation)",
-         PROBE: "or train.fp8_health_every=0 (no probe)",
-         CALIBRATION: "or fp8.calibrate=never",
-         WATCHDOG: "or runtime.divergence_check_every=0"}
+  off = {EVAL: "train.eval_every=0 (no evaluation)",
+         PROBE: "train.fp8_health_every=0 (no probe)",
+         CALIBRATION: "fp8.calibrate=never",
+         WATCHDOG: "runtime.divergence_check_every=0"}
   if phase in (INIT, RESTORE, CHECKPOINT):
     options = state or smaller
   else:
     options = (smaller or state) + ([off[phase]] if phase in off else [])
   if phase in (EVAL, PROBE, CALIBRATION) and smaller:
     options[0] += f" (the {phase} runs the train step's microbatches)"
-  return "; ".join(options) if options else "a device with more memory"
+  return "try " + "; or ".join(options) if options else "a device with more memory"
 
 
 def diagnosis(phase: str, error: BaseException, config, saved: str = "") -> str:
