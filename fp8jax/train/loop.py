@@ -230,18 +230,24 @@ class Trainer:
     step); with pipeline stages, or a state still unobserved after that, the uncalibrated
     model's step runs until every state has observed a tensor (a second compile)."""
     def run(state, batch):
-      cal = self.calibration
-      if self._calibrate is not None and cal.wants_pass(state.fp8):
-        self._phase = oom.CALIBRATION
-        _, fp8 = self._calibrate(state, batch)  # (its first microbatch)
-        state = state._replace(fp8=fp8)
-        cal.passed()
-      first = cal.uses_first(state.fp8)
+      state = self.calibrate(state, batch)
+      first = self.calibration.uses_first(state.fp8)
       self._phase = oom.STEP
       state, metrics = self.compiled_step(microbatches, calibrated=not first)(state, batch)
-      cal.observed(state.fp8)
+      self.calibration.observed(state.fp8)
       return state, metrics
     return run
+
+  def calibrate(self, state, batch):
+    """`state` whose never-observed FP8 states have the scales of a calibration pass on the
+    first microbatch of `batch` (the step's batch), when ``fp8.calibrate`` asks for one and
+    none ran on this state yet; else `state` as it is."""
+    if self._calibrate is None or not self.calibration.wants_pass(state.fp8):
+      return state
+    self._phase = oom.CALIBRATION
+    _, fp8 = self._calibrate(state, batch)
+    self.calibration.passed()
+    return state._replace(fp8=fp8)
 
   def compiled_step(self, microbatches: int, calibrated: bool = True) -> TrainStep:
     """The jitted step of the calibrated (or first) model for `microbatches` microbatches:
