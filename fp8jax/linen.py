@@ -71,8 +71,12 @@ def _chained(module: nn.Module, fn, lhs, rhs, *rest, activation: str | None = No
     stored = (jnp.max(og.amax_history) > 0) & (module.recipe.scaling == "delayed")
     # The probe differentiates w.r.t. this zero f32[2]: its gradient is the (saturated,
     # flushed) fractions of the output gradient's cast (summed over the layer's calls).
-    tap = module.variable(PERTURBATIONS, "output_grad_health", jnp.zeros, (2,), jnp.float32)
-    y = _health_tap(y, tap.value, jnp.where(stored, og.scale, 0.0), module.recipe.bwd_format)
+    # Like nn.Module.perturb: created when the collection is mutable, else used if given.
+    if (module.is_mutable_collection(PERTURBATIONS)
+        or module.has_variable(PERTURBATIONS, "output_grad_health")):
+      tap = module.variable(PERTURBATIONS, "output_grad_health", jnp.zeros, (2,), jnp.float32)
+      y = _health_tap(y, tap.value, jnp.where(stored, og.scale, 0.0),
+                      module.recipe.bwd_format)
   return y
 
 

@@ -19,7 +19,7 @@ from fp8jax.models.layers import AUTO, cudnn_attention_reason
 from fp8jax.parallel.capability import gather_reports
 from fp8jax.parallel.layout import group_count
 from fp8jax.parallel.zero import ZeroPlan
-from fp8jax.train.memory import GiB, step_bytes
+from fp8jax.train.memory import GiB, run_bytes
 from fp8jax.train.optimizer import make_fused_update, make_optimizer, schedule_for
 from fp8jax.train.model import RunModel
 from fp8jax.train.evaluation import EvalStep, Probe, build_eval_step, build_probe
@@ -97,9 +97,9 @@ def _policy_candidates(config) -> tuple[str, ...]:
 
 
 def _choose_policy(config, attention_impl: str, reports) -> tuple[str, str]:
-  """(remat policy, why) for a GPU run: the least recomputing policy whose estimated step
-  (``fp8jax.train.memory.step_bytes``; FP8 emulated where a device lacks FP8 GEMMs) fits the
-  smallest device's usable memory."""
+  """(remat policy, why) for a GPU run: the least recomputing policy whose estimated run
+  (``fp8jax.train.memory.run_bytes``: the train step, evaluation and FP8 probe; FP8 emulated
+  where a device lacks FP8 GEMMs) fits the smallest device's usable memory."""
   if not config.model.remat:
     return "full", "remat is off: no policy applies"
   usable = [_usable_bytes(r) for r in reports]
@@ -110,7 +110,7 @@ def _choose_policy(config, attention_impl: str, reports) -> tuple[str, str]:
   emulated = config.level().fp8_gemms and any(device_reason(r) for r in reports)
   estimate = 0.0
   for policy in _policy_candidates(config):
-    estimate = step_bytes(config, policy, attention_impl, devices, emulated)
+    estimate = run_bytes(config, policy, attention_impl, devices, emulated)
     if estimate <= usable_min:
       return policy, (f"estimated {estimate / GiB:.1f} GiB per device of "
                       f"{usable_min / GiB:.1f} GiB usable")
