@@ -4,11 +4,13 @@ record of every XLA compile request in the process (:class:`CompileLog`).
 With the cache on, XLA's executables are written to a folder and a later process that builds
 the same program (same HLO, compile options, devices and jax version) loads it instead of
 compiling it again. The cache is trusted: a folder others can write to lets them run code in
-the process (JAX's warning).
+the process (JAX's warning). The folder grows with every new program (JAX's size bound,
+JAX_COMPILATION_CACHE_MAX_SIZE, is left to the user: its eviction cannot share a folder with
+processes that write without it); delete it to reclaim the space.
 """
 from __future__ import annotations
 
-import importlib.util
+import logging
 import os
 import threading
 from typing import NamedTuple
@@ -16,20 +18,24 @@ from typing import NamedTuple
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
+logger = logging.getLogger("fp8jax")
 # The cache folder of runtime.compile_cache "auto" when JAX_COMPILATION_CACHE_DIR is unset.
 DEFAULT_CACHE_DIR = os.path.join(
     os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
     "fp8jax", "jax_cache")
 # Programs that compile faster than this are not written (the eager ops' small programs);
 # every train step, evaluation step and probe of a model takes longer on GPUs. Kept when
-# JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS is set.
+# JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS is set. No minimum entry size (JAX's default):
+# the compile time already leaves the small programs out.
 MIN_COMPILE_SECONDS = 0.5
-# Oldest entries are evicted beyond this size; kept when JAX_COMPILATION_CACHE_MAX_SIZE is
-# set, and unbounded where the `filelock` package (JAX's eviction needs it) is missing.
-MAX_CACHE_BYTES = 16 * 2**30
 # JAX's compile event (one per compile request: compiled, or loaded from the cache).
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+
+def _jax_cache_dir() -> str | None:
+  """The folder jax's persistent cache uses now (``jax_compilation_cache_dir``)."""
+  return getattr(jax.config, "jax_compilation_cache_dir", None)
 
 
 def cache_dir(setting: str | bool) -> str | None:
@@ -40,29 +46,30 @@ def cache_dir(setting: str | bool) -> str | None:
   if setting is False or setting == "off":
     return None
   if setting is True or setting == "auto":
-    given = os.environ.get("JAX_COMPILATION_CACHE_DIR") or jax.config.jax_compilation_cache_dir
+    given = os.environ.get("JAX_COMPILATION_CACHE_DIR") or _jax_cache_dir()
     return given or DEFAULT_CACHE_DIR
   return os.path.expanduser(setting)
 
 
 def use_compile_cache(setting: str | bool) -> str | None:
-  """Points JAX's persistent compilation cache at :func:`cache_dir` of `setting` (None: off)
-  for the rest of the process, with :data:`MIN_COMPILE_SECONDS` and :data:`MAX_CACHE_BYTES`
-  unless their environment variables set them; returns the folder (created if missing).
-  Compiles after the call read and write it (a change of folder drops the process's handle
-  on the old one)."""
+  """Points JAX's persistent compilation cache at :func:`cache_dir` of `setting` (None: off;
+  also when the folder cannot be created, with a warning) for the rest of the process, with
+  :data:`MIN_COMPILE_SECONDS` unless JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS sets it;
+  returns the folder (created if missing). Compiles after the call read and write it (a
+  change of folder drops the process's handle on the old one)."""
   path = cache_dir(setting)
   if path is not None:
-    os.makedirs(path, exist_ok=True)
-  if path != jax.config.jax_compilation_cache_dir:
+    try:
+      os.makedirs(path, exist_ok=True)
+    except OSError as error:  # a run does not fail for want of a cache
+      logger.warning("fp8jax: compilation cache off: cannot create %s (%s)", path, error)
+      path = None
+  if path != _jax_cache_dir():
     jax.config.update("jax_compilation_cache_dir", path)
     compilation_cache.reset_cache()
   if path is not None:
     if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
       jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
-    if ("JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ
-        and importlib.util.find_spec("filelock") is not None):
-      jax.config.update("jax_compilation_cache_max_size", MAX_CACHE_BYTES)
   return path
 
 

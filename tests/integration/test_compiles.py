@@ -61,3 +61,5 @@ def test_cache_dir_setting(monkeypatch, tmp_path, session_cache):
   assert compiles.cache_dir(str(tmp_path / "mine")) == str(tmp_path / "mine")
   assert compiles.use_compile_cache(False) is None
   assert jax.config.jax_compilation_cache_dir is None
+  (tmp_path / "a_file").write_text("")
+  assert compiles.use_compile_cache(str(tmp_path / "a_file" / "cache")) is None  # warned, off
