@@ -160,8 +160,9 @@ class Trainer:
     self.writer = metrics_lib.MetricWriter(self.run_dir) if primary else metrics_lib.NullWriter()
     self._print_start(start, primary)
     self._note_absent_metrics(start, primary)
-    if self.health_on:  # compiled before any timed window
-      self._phase = oom.PROBE
+    calibrating = self._calibrate is not None and self.calibration.wants_pass(self.state.fp8)
+    if self.health_on and not calibrating:  # compiled before any timed window (else the
+      self._phase = oom.PROBE  # calibration pass runs it first, with the step's compile)
       self._probe(self.state, np.zeros((t.microbatch_size, cfg.data.seq_len + 1), np.int32))
     final: dict[str, Any] = {}
     window = _Window()
