@@ -1,7 +1,7 @@
 """A run's pieces from its :class:`fp8jax.config.Config`: the "auto" model settings resolved
 for the devices (:func:`resolve_auto`), model, optimizer, mesh, ZeRO plan, the fused update,
-and the step of each microbatch count (one place for all users: the Trainer, the device
-profiler, benchmarks)."""
+the step of each microbatch count, and the evaluation step and FP8 probe on the step's memory
+plan (one place for all users: the Trainer, the device profiler, benchmarks)."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,10 +19,10 @@ from fp8jax.models.layers import AUTO, cudnn_attention_reason
 from fp8jax.parallel.capability import gather_reports
 from fp8jax.parallel.layout import group_count
 from fp8jax.parallel.zero import ZeroPlan
+from fp8jax.train.evaluation import EvalStep, Probe, build_eval_step, build_probe
 from fp8jax.train.memory import GiB, run_bytes
 from fp8jax.train.optimizer import make_fused_update, make_optimizer, schedule_for
 from fp8jax.train.model import RunModel
-from fp8jax.train.evaluation import EvalStep, Probe, build_eval_step, build_probe
 from fp8jax.train.step import PipelineLoop, TrainStep, build_step
 
 AUTO_FIELDS = ("attention_impl", "remat_policy", "scan_layers")

@@ -6,7 +6,9 @@ Setup (``Trainer.__init__``): the config's "auto" model settings resolved for th
 agreed FP8 capability of every process, the abstract state (``jax.eval_shape``), its ZeRO plan
 on the config's mesh (one device is a mesh of one), then the state initialised straight into
 its shardings. Every step, whatever the layout, comes from ``build.StepCache`` (one builder:
-``fp8jax.train.step.build_step``). :meth:`Trainer.run` is the loop.
+``fp8jax.train.step.build_step``); evaluation and the FP8 probe (cast health, calibration
+pass) run on the step's memory plan (``fp8jax.train.evaluation``). :meth:`Trainer.run` is the
+loop; out of device memory in any phase ends it with ``fp8jax.train.oom.OutOfMemory``.
 """
 from __future__ import annotations
 
@@ -394,7 +396,7 @@ class Trainer:
       intact = not any(getattr(x, "is_deleted", lambda: False)() for x in leaves)
       if self._phase in (oom.EVAL, oom.PROBE) and intact:
         done = int(self.state.step)
-        if newest is None or done > newest:
+        if done > (newest or 0):  # (a probe before the first step has nothing to keep)
           self.save(done)
           self.checkpoints.wait()
           newest = done
