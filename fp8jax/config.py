@@ -617,7 +617,10 @@ class RuntimeSection(_Section):
   `heartbeat_tolerance` seconds exits the process; `max_consecutive_skips` non-finite steps
   in a row reload the last checkpoint (0: never); every `divergence_check_every` steps (0:
   never) the FP8 loss is compared with BF16 GEMMs on the same batch and a relative gap above
-  `divergence_threshold` switches the run to BF16 (O0) GEMMs."""
+  `divergence_threshold` switches the run to BF16 (O0) GEMMs. `compile_cache`: JAX's
+  persistent compilation cache (``fp8jax.train.compiles``): "auto" (the folder
+  ``JAX_COMPILATION_CACHE_DIR`` names, else ~/.cache/fp8jax/jax_cache), false (off), or a
+  folder."""
   _path = "runtime"
   name: str = _field("run", _NAME)
   run_dir: str = _field("runs/{name}", _NONEMPTY)
@@ -626,6 +629,9 @@ class RuntimeSection(_Section):
   max_consecutive_skips: int = _field(3, _ge(0))
   divergence_check_every: int = _field(0, _ge(0))
   divergence_threshold: float = _field(0.01, _gt(0))
+  compile_cache: str | bool = _field("auto", _Rule(
+      lambda v: isinstance(v, bool) or (isinstance(v, str) and v.strip() != ""),
+      "'auto', false (off), true (auto) or a folder"))
 
   def _check(self):
     try:

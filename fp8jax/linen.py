@@ -21,6 +21,7 @@ gradient); under ``nn.scan`` put ``CALIBRATION_COLLECTION`` in ``variable_axes``
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Sequence
 
@@ -80,15 +81,48 @@ def _chained(module: nn.Module, fn, lhs, rhs, *rest, activation: str | None = No
       module.sow(CALIBRATION_COLLECTION, role, scaling.compute_amax(x, axes),
                  reduce_fn=jnp.maximum, init_fn=lambda: jnp.zeros((), jnp.float32))
   y, chain[module.scope.path] = fn(lhs, rhs, *rest, meta)
-  if probing:  # the probe differentiates w.r.t. this zero perturbation to see d loss / d y
-    y = module.perturb("output", y, collection=PERTURBATIONS)
+  if probing:
     og = meta.output_grad
     # The scale the backward cast will use; 0 when it uses the gradient's own amax (current
     # scaling, or a delayed meta that has observed nothing yet).
     stored = (jnp.max(og.amax_history) > 0) & (module.recipe.scaling == "delayed")
-    module.sow(HEALTH_COLLECTION, "output_grad_scale", jnp.where(stored, og.scale, 0.0),
-               reduce_fn=lambda old, new: new, init_fn=lambda: jnp.zeros(()))
+    # The probe differentiates w.r.t. this zero f32[2]: its gradient is the (saturated,
+    # flushed) fractions of the output gradient's cast (summed over the layer's calls).
+    # Like nn.Module.perturb: created when the collection is mutable, else used if given.
+    if (module.is_mutable_collection(PERTURBATIONS)
+        or module.has_variable(PERTURBATIONS, "output_grad_health")):
+      tap = module.variable(PERTURBATIONS, "output_grad_health", jnp.zeros, (2,), jnp.float32)
+      y = _health_tap(y, tap.value, jnp.where(stored, og.scale, 0.0),
+                      module.recipe.bwd_format)
   return y
+
+
+def output_grad_health(g: jax.Array, scale: jax.Array, fmt) -> jax.Array:
+  """f32[2]: (saturated, flushed) fractions of casting the output gradient `g` to `fmt` with
+  `scale` (0: the scale of `g`'s own amax, as a cast with no stored scale takes it)."""
+  own = scaling.scale_from_amax(scaling.compute_amax(g), jnp.float32(1), fmt)
+  return jnp.stack(scaling.cast_health(g, jnp.where(scale > 0, scale, own), fmt))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _health_tap(y, tap, scale, fmt):
+  """Identity on `y`; the cotangent of `tap` (f32[2]) is :func:`output_grad_health` of y's
+  cotangent with `scale` and FP8 dtype `fmt`, so the probe reads each GEMM's output-gradient
+  health from two numbers instead of keeping a tensor the size of every output."""
+  del tap, scale
+  return y
+
+
+def _health_tap_fwd(y, tap, scale, fmt):
+  del tap, fmt
+  return y, scale
+
+
+def _health_tap_bwd(fmt, scale, g):
+  return g, output_grad_health(g, scale, fmt), jnp.zeros_like(scale)
+
+
+_health_tap.defvjp(_health_tap_fwd, _health_tap_bwd)
 
 
 def _sow_cast_health(module, meta, lhs, rhs) -> None:

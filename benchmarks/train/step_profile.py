@@ -43,7 +43,7 @@ def main():
   batch = trainer.next_batch(0)
   microbatches = cfg.microbatches_at(0)
   step = trainer.step_fn(microbatches)
-  for _ in range(2):  # the first step may run the uncalibrated model (fp8.calibrate)
+  for _ in range(2):  # the first step may take the calibration pass (fp8.calibrate)
     trainer.state, m = step(trainer.state, batch)
   jax.block_until_ready(m)
   if a.dump_hlo:  # the steady step: the calibrated model

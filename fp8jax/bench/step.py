@@ -2,9 +2,10 @@
 O2 (FP8 GEMMs, FP16 master weights, FP8/FP16 Adam state), side by side in one process.
 
 Each run is the step ``fp8jax train`` runs (``fp8jax.train.loop.Trainer`` on the config, the
-level and the run's overrides): its first step runs the uncalibrated FP8 model where
-``fp8.calibrate`` says so, the next ones the calibrated model, compiled ahead of time; after
-the warm-up steps every FP8 state must have observed a tensor (else the run is refused), then
+level and the run's overrides): where ``fp8.calibrate`` says so the Trainer's calibration pass
+gives the FP8 state its first scales (``Trainer.calibrate``; with pipeline stages the first
+steps run the uncalibrated model), then the calibrated model's step, compiled ahead of time;
+after the warm-up steps every FP8 state must have observed a tensor (else the run is refused), then
 ``--iters`` steps on one batch are timed, each waited for (median). Runs are measured one after
 the other, each Trainer freed before the next.
 
@@ -16,8 +17,8 @@ a 2-layer, 64-wide model on 32-token sequences (seconds on a CPU).
 Columns: ms per step, tokens/s, tokens/s against the first run, model TFLOP/s and MFU (against
 the FP8 peak at FP8 levels, BF16's at O0; "-" where the device's peak is unknown), the compiled
 step's memory (arguments + outputs + temporaries, XLA's analysis, GiB), the last step's loss
-(the same step of every run: a run without FP8 state takes one step first, as an FP8 run takes
-its uncalibrated one) and the seconds spent compiling and warming up.
+(the same step of every run: each run takes one step before the timed ones, an uncalibrated
+first step counting as it) and the seconds spent compiling and warming up.
 """
 from __future__ import annotations
 
@@ -153,8 +154,10 @@ def time_run(config: str | None, level: str, overrides, iters: int, log=print) -
   trainer = Trainer(cfg, progress=False)
   batch = trainer.next_batch(0)
   microbatches = cfg.microbatches_at(0)
-  state, first = trainer.state, 0
-  for _ in range(FIRST_STEPS):  # the uncalibrated model until every FP8 state observed a tensor
+  # the Trainer's calibration pass where fp8.calibrate asks for one (no step program of its
+  # own); with pipeline stages the uncalibrated model until every FP8 state observed a tensor
+  state, first = trainer.calibrate(trainer.state, batch), 0
+  for _ in range(FIRST_STEPS):
     if not trainer.calibration.uses_first(state.fp8):
       break
     state, _ = trainer.compiled_step(microbatches, calibrated=False)(state, batch)
@@ -163,8 +166,8 @@ def time_run(config: str | None, level: str, overrides, iters: int, log=print) -
   step = trainer.compiled_step(microbatches, calibrated=True)
   placed = step.place(batch)
   compiled = step.jitted.lower(state, *placed).compile()
-  if not first:  # one step, as an FP8 run takes its uncalibrated one: the timed steps and
-    state, _ = compiled(state, *placed)  # their losses are then the same steps in every run
+  if not first:  # one step, as a run of uncalibrated first steps takes one: the timed steps
+    state, _ = compiled(state, *placed)  # and their losses are then the same in every run
   log(f"compiled in {time.perf_counter() - t0:.1f} s (with the Trainer's set-up)")
   carry = {"state": state, "metrics": []}
 

@@ -1,7 +1,7 @@
 """A run's pieces from its :class:`fp8jax.config.Config`: the "auto" model settings resolved
 for the devices (:func:`resolve_auto`), model, optimizer, mesh, ZeRO plan, the fused update,
-and the step of each microbatch count (one place for all users: the Trainer, the device
-profiler, benchmarks)."""
+the step of each microbatch count, and the evaluation step and FP8 probe on the step's memory
+plan (one place for all users: the Trainer, the device profiler, benchmarks)."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,7 +18,8 @@ from fp8jax.hardware import DeviceReport, device_reason, gpu_spec
 from fp8jax.models.layers import AUTO, cudnn_attention_reason
 from fp8jax.parallel.capability import gather_reports
 from fp8jax.parallel.zero import ZeroPlan
-from fp8jax.train.memory import GiB, step_bytes
+from fp8jax.train.evaluation import EvalStep, Probe, build_eval_step, build_probe
+from fp8jax.train.memory import GiB, run_bytes
 from fp8jax.train.optimizer import make_fused_update, make_optimizer, schedule_for
 from fp8jax.train.model import RunModel
 from fp8jax.train.step import GroupLoop, PipelineLoop, TrainStep, UniformLoop, build_step
@@ -95,9 +96,9 @@ def _policy_candidates(config) -> tuple[str, ...]:
 
 
 def _choose_policy(config, attention_impl: str, reports) -> tuple[str, str]:
-  """(remat policy, why) for a GPU run: the least recomputing policy whose estimated step
-  (``fp8jax.train.memory.step_bytes``; FP8 emulated where a device lacks FP8 GEMMs) fits the
-  smallest device's usable memory."""
+  """(remat policy, why) for a GPU run: the least recomputing policy whose estimated run
+  (``fp8jax.train.memory.run_bytes``: the train step, evaluation and FP8 probe; FP8 emulated
+  where a device lacks FP8 GEMMs) fits the smallest device's usable memory."""
   if not config.model.remat:
     return "full", "remat is off: no policy applies"
   usable = [_usable_bytes(r) for r in reports]
@@ -108,7 +109,7 @@ def _choose_policy(config, attention_impl: str, reports) -> tuple[str, str]:
   emulated = config.level().fp8_gemms and any(device_reason(r) for r in reports)
   estimate = 0.0
   for policy in _policy_candidates(config):
-    estimate = step_bytes(config, policy, attention_impl, devices, emulated)
+    estimate = run_bytes(config, policy, attention_impl, devices, emulated)
     if estimate <= usable_min:
       return policy, (f"estimated {estimate / GiB:.1f} GiB per device of "
                       f"{usable_min / GiB:.1f} GiB usable")
@@ -288,7 +289,7 @@ def pipeline_loop(config, plan: ZeroPlan, model) -> PipelineLoop | None:
   t = config.train
   return PipelineLoop(plan.mesh, model.parts(), config.parallel.pipeline_schedule,
                       microbatch_size=t.microbatch_size, dynamic=t.batch_ramp is not None,
-                      matrix_dtype=config.model.dtype if config.model.builder is None else None)
+                      matrix_dtype=matrix_dtype(config))
 
 
 def step_loop(config, plan: ZeroPlan, model, microbatches: int,
@@ -312,7 +313,41 @@ def step_loop(config, plan: ZeroPlan, model, microbatches: int,
                      microbatch_size=t.microbatch_size, dynamic=dynamic,
                      schedule=None if pipeline is None else pipeline.schedule)
   return UniformLoop(t.microbatch_size, dynamic, weight_cast_fn(c, model, microbatches),
-                     c.model.dtype if c.model.builder is None else None)
+                     matrix_dtype(c))
+
+
+def matrix_dtype(config) -> str | None:
+  """The dtype a run's steps decode FP16 master GEMM weights to: the model's compute dtype
+  (None for a builder's module: decoded to f32)."""
+  return config.model.dtype if config.model.builder is None else None
+
+
+def eval_step(config, plan: ZeroPlan, model) -> EvalStep:
+  """The run's evaluation step on the train step's memory plan
+  (``fp8jax.train.evaluation.build_eval_step``): up to ``train.microbatches`` microbatches of
+  ``train.microbatch_size`` sequences per call, `model` applied as the step applies it."""
+  t = config.train
+  return build_eval_step(model.apply, plan, t.microbatches, t.microbatch_size,
+                         balanced=config.parallel.device_map is not None,
+                         pipeline=pipeline_loop(config, plan, model),
+                         matrix_dtype=matrix_dtype(config))
+
+
+def fp8_probe(config, plan: ZeroPlan, model, health: bool) -> Probe:
+  """The run's FP8 probe on one train-step microbatch (``fp8jax.train.evaluation.
+  build_probe``: cast health when `health`, calibrated scales) of `model` (the uncalibrated
+  model). With pipeline stages it applies the model whole, not stage by stage (see
+  :func:`calibrates_by_probe`)."""
+  t = config.train
+  return build_probe(model, plan, t.microbatches, t.microbatch_size, health=health,
+                     balanced=config.parallel.device_map is not None,
+                     matrix_dtype=matrix_dtype(config))
+
+
+def calibrates_by_probe(config) -> bool:
+  """Whether a run's calibration is a probe pass before its first step (one compiled train
+  step) rather than uncalibrated first steps: everywhere but with pipeline stages."""
+  return config.parallel.pipeline_parallel_size == 1
 
 
 class StepCache:

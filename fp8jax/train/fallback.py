@@ -10,7 +10,9 @@ import os
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
+from fp8jax.train.state import TrainState
 from fp8jax.train.step import next_token_loss, scan_microbatches
 
 logger = logging.getLogger("fp8jax")
@@ -18,24 +20,28 @@ logger = logging.getLogger("fp8jax")
 
 class Bf16Loss:
   """``(params, batch int32[n m, T+1]) -> mean loss`` of `model` (a BF16 model: no FP8
-  state) over the batch's n microbatches of `microbatch_size` sequences, averaged as the
-  train step averages its loss (the step's microbatch loop,
-  :func:`fp8jax.train.step.scan_microbatches`, without gradients); one jitted program per n."""
+  state) with `params` as a ``TrainState`` holds them (FP16 master weights are decoded inside
+  the program, GEMM weights to `matrix_dtype` when given, as the train step reads them) over the
+  batch's n microbatches of `microbatch_size` sequences, averaged as the train step averages
+  its loss (the step's microbatch loop, :func:`fp8jax.train.step.scan_microbatches`, without
+  gradients); one jitted program per n."""
 
-  def __init__(self, model, microbatch_size: int):
+  def __init__(self, model, microbatch_size: int, matrix_dtype=None):
     self.model, self.microbatch_size = model, microbatch_size
+    self.matrix_dtype = matrix_dtype
     self._jitted: dict[int, Callable] = {}
 
   def __call__(self, params, batch) -> jax.Array:
     n = batch.shape[0] // self.microbatch_size
     if n not in self._jitted:
-      apply = self.model.apply
+      apply, matrix_dtype = self.model.apply, self.matrix_dtype
 
-      def loss(params, batch):
+      def bf16_loss(params, batch):
+        params = TrainState(jnp.zeros((), jnp.int32), params, {}, ()).model_params(matrix_dtype)
         # The loop's "gradients" are an empty tree: it sums and averages the losses alone.
         loss_only = lambda none, part: (next_token_loss(apply, {"params": params}, part), none)
         return scan_microbatches(loss_only, {"params": {}}, batch, n)[0]
-      self._jitted[n] = jax.jit(loss)
+      self._jitted[n] = jax.jit(bf16_loss)
     return self._jitted[n](params, batch)
 
 

@@ -7,10 +7,13 @@ settings resolved for the devices (``build.choose_auto``), the config's model an
 (``fp8jax.train.build``), the agreed FP8 capability of every process, the abstract state (``jax.eval_shape``), its ZeRO plan
 on the config's mesh (one device is a mesh of one), then the state initialised straight into
 its shardings. Every step, whatever the layout, comes from ``build.StepCache`` (one builder:
-``fp8jax.train.step.build_step``). :meth:`Trainer.run` is the loop.
+``fp8jax.train.step.build_step``); evaluation and the FP8 probe (cast health, calibration
+pass) run on the step's memory plan (``fp8jax.train.evaluation``). :meth:`Trainer.run` is the
+loop; out of device memory in any phase ends it with ``fp8jax.train.oom.OutOfMemory``.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -28,17 +31,17 @@ from fp8jax.dot import native_fp8_reason
 from fp8jax.models.layers import param_count
 from fp8jax.parallel import balance, capability, layout, pipeline
 from fp8jax.parallel import device_map as device_map_lib
-from fp8jax.train import build, guards
+from fp8jax.train import build, guards, oom
 from fp8jax.train import metrics as metrics_lib
 from fp8jax.train.calibration import Calibration
+from fp8jax.train.compiles import use_compile_cache
 from fp8jax.train.fallback import Bf16Loss, record_fallback
 from fp8jax.train.model import describe_conversion
-from fp8jax.train.health import fp8_cast_health
 from fp8jax.train.progress import ProgressBar
 from fp8jax.train.resume import (RunCheckpoints, RunRecords, check_same_data, claim_run_dir,
                                  corpus_record, records_of, saved_fallback, stopped_line)
 from fp8jax.train.state import load_params, state_init_fn
-from fp8jax.train.step import TrainStep, make_eval_step
+from fp8jax.train.step import TrainStep
 
 logger = logging.getLogger("fp8jax")
 
@@ -51,6 +54,8 @@ class Trainer:
 
   def __init__(self, config: Config, progress: bool = True, overwrite: bool = False):
     build.check_layout(config)  # before reading data or compiling anything
+    # before the first compile: every program of the run is read from / written to the cache
+    self.compile_cache = use_compile_cache(config.runtime.compile_cache)
     self.auto = build.choose_auto(config)  # "auto" model settings for these devices
     config = self.auto.apply(config)
     self.config, self.progress, self.overwrite = config, progress, overwrite
@@ -70,10 +75,13 @@ class Trainer:
     init = state_init_fn(model, self.tx, self.level, t.microbatch_size, d.seq_len, t.seed,
                          comm_scaling=config.parallel.grad_comm_scaling == "auto")
     self.plan = build.zero_plan(config, jax.eval_shape(init), self.run_model.tensor_rules)
-    self.state = jax.jit(init, out_shardings=self.plan.state)()  # no unsharded copy
-    pretrained = self.run_model.pretrained_params()
-    if pretrained is not None:  # model.init_from: its weights, into the plan's shardings
-      self.state = load_params(self.state, pretrained, self.level, self.plan.state.params)
+    self.checkpoints = None
+    self._phase = oom.INIT
+    with self._out_of_memory_diagnosed():
+      self.state = jax.jit(init, out_shardings=self.plan.state)()  # no unsharded copy
+      pretrained = self.run_model.pretrained_params()
+      if pretrained is not None:  # model.init_from: its weights, into the plan's shardings
+        self.state = load_params(self.state, pretrained, self.level, self.plan.state.params)
     self.group_seconds = self._group_seconds()  # None: uniform split (no device_map)
     self._fused_update = build.fused_update_fn(config, self.schedule, self.plan)
     self._use_model(self.level.recipe, calibrate=build.calibration_on(config))
@@ -88,23 +96,39 @@ class Trainer:
         r.divergence_check_every if self.level.fp8_gemms else 0, r.divergence_threshold)
     self.fallback_reason: str | None = None
     self._unread: list[tuple[int, dict]] = []  # (step, metrics) the host has not read yet
-    self._bf16_loss = Bf16Loss(self.run_model.at(None), t.microbatch_size)
+    self._bf16_loss = Bf16Loss(self.run_model.at(None), t.microbatch_size,
+                               build.matrix_dtype(config))
     self.writer: metrics_lib.MetricWriter | metrics_lib.NullWriter = metrics_lib.NullWriter()
 
   def _use_model(self, recipe, calibrate: bool) -> None:
     """Builds what runs the model with `recipe`'s GEMMs (None: BF16): the calibration
-    (``fp8.calibrate``), the train steps, the evaluation step and the FP8 health probe."""
+    (``fp8.calibrate``), the train steps, the evaluation step and the FP8 probe (cast health
+    and calibration pass), all on the train step's memory plan."""
     first = self.run_model.at(recipe)
     steady = self.run_model.at(recipe.replace(calibrated=True)) if calibrate else None
     self.calibration = Calibration(first, steady)
     self.steps = build.StepCache(
         self.config, self.tx, self.plan, self._fused_update,
         self.balanced_counts if self.group_seconds is not None else None)
-    self._eval = jax.jit(make_eval_step(
-        self.calibration.model.apply, self.plan.weight_gather(),
-        build.pipeline_loop(self.config, self.plan, self.calibration.model)))
-    linen = isinstance(first, nn.Module)  # (the probe reads linen collections)
-    self._health = self._health_probe() if recipe is not None and linen else None
+    self._eval = build.eval_step(self.config, self.plan, self.calibration.model)
+    self.health_on = self._health_on(recipe, first)
+    by_probe = self.calibration.enabled and build.calibrates_by_probe(self.config)
+    self._probe = (build.fp8_probe(self.config, self.plan, first, health=self.health_on)
+                   if self.health_on or by_probe else None)
+    self._calibrate = self._probe if by_probe else None
+
+  def _health_on(self, recipe, model) -> bool:
+    """Whether the run probes FP8 cast health (``train.fp8_health_every``): FP8 GEMMs, a linen
+    model (the probe reads its collections), one process."""
+    if recipe is None or not self.config.train.fp8_health_every or not self.level.fp8_gemms:
+      return False
+    if not isinstance(model, nn.Module):
+      return False
+    if jax.process_count() > 1:
+      logger.warning("fp8jax: the FP8 cast-health probe runs in single-process runs only; "
+                     "off in this %d-process run", jax.process_count())
+      return False
+    return True
 
   @property
   def model(self):
@@ -114,13 +138,23 @@ class Trainer:
   # ------------------------------------------------------------------ the loop
 
   def run(self) -> dict:
-    """Trains for config.train.steps steps; returns the final metrics."""
+    """Trains for config.train.steps steps; returns the final metrics.
+
+    Out of device memory in any phase raises :class:`fp8jax.train.oom.OutOfMemory` (the
+    phase, what it asked for, what to change); with checkpointing on, the run's last good
+    state is on disk first (after an evaluation or probe: the state of the steps done; after
+    a failed step: the previous checkpoint, pending saves finished)."""
+    with self._out_of_memory_diagnosed():
+      return self._run()
+
+  def _run(self) -> dict:
     cfg, t = self.config, self.config.train
     primary = jax.process_index() == 0  # one process writes logs (all take part in checkpoints)
     claim_run_dir(cfg, self.run_dir, overwrite=self.overwrite, checkpoints=self.checkpoints)
     os.makedirs(self.run_dir, exist_ok=True)
     if primary:
       save_config(cfg, os.path.join(self.run_dir, "config.yaml"))
+    self._phase = oom.RESTORE
     start = self.resume() if cfg.checkpoint.auto_resume else 0
     if cfg.checkpoint.auto_resume and primary:  # steps after the restored one run again
       metrics_lib.drop_records_after(os.path.join(self.run_dir, "metrics.jsonl"), start)
@@ -130,9 +164,10 @@ class Trainer:
     self.writer = metrics_lib.MetricWriter(self.run_dir) if primary else metrics_lib.NullWriter()
     self._print_start(start, primary)
     self._note_absent_metrics(start, primary)
-    if self._health is not None and t.fp8_health_every:  # compiled before any timed window
-      warm = np.zeros((t.microbatch_size, self.config.data.seq_len + 1), np.int32)
-      self._health(self.state.variables(), warm)
+    calibrating = self._calibrate is not None and self.calibration.wants_pass(self.state.fp8)
+    if self.health_on and not calibrating:  # compiled before any timed window (else the
+      self._phase = oom.PROBE  # calibration pass runs it first, with the step's compile)
+      self._probe(self.state, np.zeros((t.microbatch_size, cfg.data.seq_len + 1), np.int32))
     final: dict[str, Any] = {}
     window = _Window()
     with ProgressBar(t.steps, self.progress) as bar, guards.Preemption() as preemption, \
@@ -140,9 +175,11 @@ class Trainer:
       bar.advance(start)
       for step in range(start, t.steps):
         batch = self.next_batch(step)
-        bf16_loss = (self._bf16_loss(self.state.model_params(), self._put_eval(batch))
+        self._phase = oom.WATCHDOG
+        bf16_loss = (self._bf16_loss(self.state.params, self._put_eval(batch))
                      if self.watchdog.due(step) else None)
         self.state, m = self.step_fn(cfg.microbatches_at(step))(self.state, batch)
+        self._phase = oom.STEP  # (reading the step's results below)
         heartbeat.beat()
         window.add(m, batch)
         self._unread.append((step, m))
@@ -161,16 +198,18 @@ class Trainer:
           final.update(self._log_window(step, window, m))
           bar.advance(0, final)
           window = _Window()
-        if self._health is not None and t.fp8_health_every and (
-            (step + 1) % t.fp8_health_every == 0 or last):
+        if self.health_on and ((step + 1) % t.fp8_health_every == 0 or last):
+          self._phase = oom.PROBE
           self._probe_health(step, batch)
         if (t.eval_every and (step + 1) % t.eval_every == 0) or last:
+          self._phase = oom.EVAL
           final["val_loss"] = self.evaluate()
           self.writer.write(step + 1, {"val_loss": final["val_loss"]})
           window.restart()  # evaluation is not training time
         bar.advance(1)
         if self.checkpoints is not None and (save or preemption.requested):
           self._read_guards(step)  # (a signal may have come after the read above)
+          self._phase = oom.CHECKPOINT
           self.save(step + 1)
           heartbeat.beat()
         if preemption.requested:
@@ -189,16 +228,31 @@ class Trainer:
     return np.concatenate([self.train_batches.next() for _ in range(n)])
 
   def step_fn(self, microbatches: int):
-    """The train step ``(state, batch) -> (state, metrics)`` for `microbatches` microbatches:
-    the uncalibrated model's while some FP8 state has observed nothing, then the calibrated
-    model's (``fp8.calibrate``; one compile each)."""
+    """The train step ``(state, batch) -> (state, metrics)`` for `microbatches` microbatches
+    (``fp8.calibrate``): while some FP8 state has observed nothing, a calibration pass (the
+    FP8 probe on the batch's first microbatch, :func:`fp8jax.train.calibration.
+    calibrated_scales`) gives it a scale and the calibrated model's step runs (one compiled
+    step); with pipeline stages, or a state still unobserved after that, the uncalibrated
+    model's step runs until every state has observed a tensor (a second compile)."""
     def run(state, batch):
+      state = self.calibrate(state, batch)
       first = self.calibration.uses_first(state.fp8)
+      self._phase = oom.STEP
       state, metrics = self.compiled_step(microbatches, calibrated=not first)(state, batch)
-      if first:
-        self.calibration.observed(state.fp8)
+      self.calibration.observed(state.fp8)
       return state, metrics
     return run
+
+  def calibrate(self, state, batch):
+    """`state` whose never-observed FP8 states have the scales of a calibration pass on the
+    first microbatch of `batch` (the step's batch), when ``fp8.calibrate`` asks for one and
+    none ran on this state yet; else `state` as it is."""
+    if self._calibrate is None or not self.calibration.wants_pass(state.fp8):
+      return state
+    self._phase = oom.CALIBRATION
+    _, fp8 = self._calibrate(state, batch)
+    self.calibration.passed()
+    return state._replace(fp8=fp8)
 
   def compiled_step(self, microbatches: int, calibrated: bool = True) -> TrainStep:
     """The jitted step of the calibrated (or first) model for `microbatches` microbatches:
@@ -207,18 +261,22 @@ class Trainer:
     return self.steps.get(model, microbatches)
 
   def evaluate(self) -> float:
-    """Mean validation loss over `eval_batches` fixed batches (the same ones every time)."""
+    """Mean validation loss per token over `eval_batches` fixed microbatches of the train
+    step's size (the same ones every time), run by the evaluation step in calls of up to
+    the step's microbatch count (``fp8jax.train.evaluation``: the train step's memory plan)."""
     t, d = self.config.train, self.config.data
     val = self.data.batches("val", t.microbatch_size, d.seq_len, seed=d.seed)
-    losses = [float(self._eval(self.state, self._put_eval(val.next())))
-              for _ in range(t.eval_batches)]
-    return float(np.mean(losses))
+    parts = [val.next() for _ in range(t.eval_batches)]
+    k = self._eval.microbatches
+    sums = [self._eval(self.state, parts[i:i + k]) for i in range(0, len(parts), k)]
+    totals = np.sum(np.asarray(jax.device_get(sums), np.float64), axis=0)  # one read
+    return float(totals[0] / totals[1])
 
   # ------------------------------------------------------------------ logs
 
   def _print_start(self, start: int, primary: bool) -> None:
     t = self.config.train
-    n = param_count(self.state.model_params())
+    n = param_count(jax.eval_shape(self.state.model_params))  # (nothing decoded)
     state_bytes = fp8_optim.tree_bytes((self.state.params, self.state.opt_state)) / n
     if jax.process_count() > 1:
       print(f"fp8jax train: process {jax.process_index()} of {jax.process_count()}")
@@ -226,6 +284,9 @@ class Trainer:
       for line in (self.capability.lines() + self.auto.lines() + self.config.notices()
                    + list(describe_conversion(self.run_model.convert_report))):
         print(f"fp8jax train: {line}")
+      print("fp8jax train: compiled programs cached in "
+            f"{self.compile_cache} (runtime.compile_cache)" if self.compile_cache else
+            "fp8jax train: compilation cache off (runtime.compile_cache)")
       if self.group_seconds is not None:
         print(f"fp8jax train: {self._balance_line(self.config.microbatches_at(start))}")
       stages, schedule = (self.config.parallel.pipeline_parallel_size,
@@ -273,21 +334,9 @@ class Trainer:
     self.writer.write(step + 1, out)
     return out
 
-  def _health_probe(self):
-    """The jitted FP8 cast-health probe (None at O0 and in multi-process runs)."""
-    if not self.level.fp8_gemms:
-      return None
-    if jax.process_count() > 1:
-      logger.warning("fp8jax: the FP8 cast-health probe runs in single-process runs only; "
-                     "off in this %d-process run", jax.process_count())
-      return None
-    model = self.calibration.model
-    return jax.jit(lambda variables, batch: fp8_cast_health(model, variables, batch,
-                                                            self.level.recipe))
-
   def _probe_health(self, step: int, batch) -> None:
-    probe = batch[:self.config.train.microbatch_size]
-    health = self._health(self.state.variables(), probe)
+    """Writes the FP8 cast health of the first microbatch of `batch` (``fp8/...``)."""
+    health, _ = self._probe(self.state, batch)
     self.writer.write(step + 1, {k: float(v) for k, v in health.items()})
 
   # ------------------------------------------------------------------ layout
@@ -337,6 +386,44 @@ class Trainer:
     if r.heartbeat_interval is None:
       return guards.NoHeartbeat()
     return guards.Heartbeat(r.heartbeat_interval, r.heartbeat_tolerance)
+
+  @contextlib.contextmanager
+  def _out_of_memory_diagnosed(self):
+    """Turns XLA's out-of-memory error inside into :class:`fp8jax.train.oom.OutOfMemory`
+    naming the phase that ran (``self._phase``), after keeping what checkpointing can keep."""
+    try:
+      yield
+    except jax.errors.JaxRuntimeError as error:
+      if not oom.is_out_of_memory(error):
+        raise
+      saved = (self._keep_after_out_of_memory() if self.checkpoints is not None else
+               "" if self._phase == oom.INIT else
+               "Checkpointing is off: the steps done are lost (checkpoint."
+               "checkpoint_every_n_steps keeps them)")
+      raise oom.OutOfMemory(oom.diagnosis(self._phase, error, self.config, saved)) from None
+
+  def _keep_after_out_of_memory(self) -> str:
+    """Finishes pending saves; after an evaluation or probe (the state of the steps done is
+    intact and its batches are consumed) saves that state; says what is on disk."""
+    note = ""
+    try:
+      self.checkpoints.wait()
+      newest = self.checkpoints.manager.latest_step()
+      leaves = jax.tree.leaves(self.state)
+      intact = not any(getattr(x, "is_deleted", lambda: False)() for x in leaves)
+      if self._phase in (oom.EVAL, oom.PROBE) and intact:
+        done = int(self.state.step)
+        if done > (newest or 0):  # (a probe before the first step has nothing to keep)
+          self.save(done)
+          self.checkpoints.wait()
+          newest = done
+    except Exception as error:  # noqa: BLE001 (the diagnosis is what matters; say why not)
+      note = f" (saving after the error failed: {' '.join(str(error).split())[:200]})"
+      newest = self.checkpoints.manager.latest_step()
+    if newest is None:
+      return "No checkpoint was saved yet" + note
+    return (f"The newest checkpoint is step {newest} in {self.checkpoints.directory}; "
+            f"fp8jax train resumes from it with checkpoint.auto_resume" + note)
 
   def records(self) -> RunRecords:
     """What a checkpoint holds besides the state: data position and fingerprint, guard

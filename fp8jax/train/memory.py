@@ -1,8 +1,9 @@
 """A train step's peak device memory from its config: which terms of the one memory model,
 :func:`fp8jax.parallel.cost_model.device_memory`, a :class:`fp8jax.config.Config`'s run has.
 
-``fp8jax.train.build.choose_auto`` compares :func:`step_bytes` with the device's memory to
-choose ``model.remat_policy``; ``fp8jax simulate`` and :mod:`fp8jax.parallel.sizing` read
+``fp8jax.train.build.choose_auto`` compares :func:`run_bytes` (the largest of the run's phases,
+:func:`phase_bytes`: the train step, the evaluation step, the FP8 probe) with the device's
+memory to choose ``model.remat_policy``; ``fp8jax simulate`` and :mod:`fp8jax.parallel.sizing` read
 :func:`model_shape`. The terms (state; the backward's gradients, accumulator, decoded,
 gathered and cast weights, activations per remat policy and attention implementation; the
 update) are written in ``device_memory``'s and ``cost_model.activation_bytes``' docstrings.
@@ -150,3 +151,49 @@ def step_bytes(config, remat_policy: str, attention_impl: str, devices: int = 1,
   :func:`step_memory` (same arguments)."""
   return float(step_memory(config, remat_policy, attention_impl, devices, emulated,
                            assumptions).peak)
+
+
+# The phases of a run besides its optimizer steps run on the train step's memory plan
+# (``fp8jax.train.evaluation``): the step's microbatch, remat policy, decoded and gathered
+# weights, and no parameter gradient.
+PHASES = ("train step", "evaluation", "FP8 probe")
+
+
+def phase_bytes(config, remat_policy: str, attention_impl: str, devices: int = 1,
+                emulated: bool = False, assumptions: cm.Assumptions = cm.Assumptions()
+                ) -> dict[str, float]:
+  """Estimated peak bytes per device of each phase of a run of `config` (:data:`PHASES`;
+  arguments as for :func:`step_memory`):
+
+  * train step: :func:`step_bytes`;
+  * evaluation: the state, the step's decoded and gathered weights, and one microbatch's
+    forward (one layer's working set and the f32 logits, ``cost_model.activation_bytes``
+    of no saved layers);
+  * FP8 probe (cast health and the calibration pass; levels with FP8 GEMMs): the state, the
+    step's weights and its activations, without the gradients, their accumulator and the
+    once-per-step weight casts.
+
+  Each is the step's state plus a subset of its backward terms: the evaluation and the probe
+  never exceed the step in this model (``tests/integration/test_phase_memory.py`` checks the
+  compiled programs)."""
+  mem = step_memory(config, remat_policy, attention_impl, devices, emulated, assumptions)
+  state, b = sum(mem.state.values()), mem.backward
+  weights = sum(b.get(k, 0.0) for k in ("decoded weights", "gathered weights",
+                                        "gathered model", "widened FP8 weight"))
+  shape = model_shape(config.model, remat_policy, attention_impl)
+  forward = cm.activation_bytes(shape, config.data.seq_len, device_sequences(config, devices),
+                                config.level().name, config.parallel.tensor_parallel_size,
+                                layers=0)
+  out = {"train step": float(mem.peak), "evaluation": state + weights + forward}
+  if config.level().fp8_gemms:
+    out["FP8 probe"] = state + weights + b["activations"]
+  return out
+
+
+def run_bytes(config, remat_policy: str, attention_impl: str, devices: int = 1,
+              emulated: bool = False, assumptions: cm.Assumptions = cm.Assumptions()
+              ) -> float:
+  """Estimated peak bytes per device of a run of `config`: the largest of
+  :func:`phase_bytes` (same arguments)."""
+  return max(phase_bytes(config, remat_policy, attention_impl, devices, emulated,
+                         assumptions).values())

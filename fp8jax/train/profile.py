@@ -71,7 +71,7 @@ def measure(config, sizes: Sequence[int], steps: int = 5,
                                       donate_argnums=0)
     step = make_step(model)
     rng = np.random.default_rng(0)
-    if calibration_on(config):  # as the Trainer: one uncalibrated step, then calibrated casts
+    if calibration_on(config):  # the calibrated step (its scales from one uncalibrated step)
       first = rng.integers(0, config.model.vocab_size, (sizes[0], d.seq_len + 1), np.int32)
       try:
         state, _ = step(state, jax.device_put(first, device))

@@ -1,6 +1,7 @@
 """Calibrated delayed scaling: once every FP8 state has observed a tensor, a cast no longer
 depends on its own tensor's amax (so XLA can fuse amax and cast into one pass); the Trainer
-runs its first step uncalibrated, then the calibrated step, with the same losses."""
+gives the first step its scales with a calibration pass and runs the calibrated step from the
+start, with the losses of an uncalibrated run."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,7 +99,10 @@ def test_calibrated_matches_uncalibrated_on_observed_state_and_differs_on_fresh(
   assert not np.array_equal(np.asarray(run(fresh, plain)), np.asarray(run(fresh, calibrated)))
 
 
-def test_trainer_calibrates_after_the_first_step_with_the_same_losses(tmp_path):
+def test_trainer_calibrates_before_the_first_step_with_the_same_losses(tmp_path):
+  """fp8.calibrate=always: a calibration pass gives the first step the scales its own
+  amaxes would (the uncalibrated model's just-in-time casts), so the calibrated step runs
+  from step 0 with the losses of a run that never calibrates."""
   losses = {}
   for mode in ("never", "always"):
     cfg = load_config(TINY, ["train.opt_level=O1", f"fp8.calibrate={mode}", "train.steps=4", "train.warmup_steps=1", "checkpoint.checkpoint_every_n_steps=0",
@@ -113,9 +117,10 @@ def test_trainer_calibrates_after_the_first_step_with_the_same_losses(tmp_path):
       out.append(float(m["loss"]))
     assert not _any_unobserved(trainer.state.fp8)
     first, steady = trainer.calibration.first, trainer.calibration.model
-    expected = {(id(first), 1), (id(steady), 1)} if mode == "always" else {(id(steady), 1)}
-    assert {(id(m), n) for m, n in trainer.steps.built()} == expected
+    # one compiled step: the calibration pass (the FP8 probe) gave the first step its scales
+    assert {(id(m), n) for m, n in trainer.steps.built()} == {(id(steady), 1)}
     assert (first is steady) is (mode == "never")
+    assert trainer.calibration.passes == (mode == "always")
     losses[mode] = out
   np.testing.assert_allclose(losses["always"], losses["never"], rtol=2e-4)
   assert losses["always"][0] == losses["never"][0]  # the same first step

@@ -155,9 +155,9 @@ def test_weights_cast_once_per_step_for_all_microbatches(key):
 # adds sharded parameters (O1 unsharded takes no path that the two cases do not).
 @pytest.mark.parametrize("level, zero_stage", [("O2", None), ("O1", 1)])
 def test_cast_once_trainer_is_bit_identical(tmp_path, monkeypatch, level, zero_stage):
-  """Three Trainer steps of 2 microbatches (the first with just-in-time scales, then
-  calibrated), fp8.cast_weights_once on and off: every state array bit-identical (data
-  parallel, and ZeRO-1, over the 8 CPU devices)."""
+  """Three calibrated Trainer steps of 2 microbatches (the first with the calibration pass's
+  scales), fp8.cast_weights_once on and off: every state array bit-identical (data parallel,
+  and ZeRO-1, over the 8 CPU devices)."""
   from fp8jax.config import config_from_dict
   from fp8jax import linen
   from fp8jax.train.loop import Trainer
@@ -181,7 +181,7 @@ def test_cast_once_trainer_is_bit_identical(tmp_path, monkeypatch, level, zero_s
       trainer.state, m = trainer.step_fn(2)(trainer.state, trainer.next_batch(s))
     assert np.isfinite(float(m["loss"])) and trainer.calibration.pending is False
     assert trainer.plan.stage == (zero_stage or 0)
-    assert len(traced) == 2 * once  # the first (uncalibrated) and the calibrated step
+    assert len(traced) == once  # one step program: the calibration pass scales the first
     states[once] = jax.device_get(trainer.state)
   p0 = jax.tree.leaves(states[False].model_params())[0]
   assert float(jnp.std(p0)) > 0

@@ -252,3 +252,20 @@ def test_estimate_follows_the_step_the_config_builds():
   for report, policy in ((A100, "save_gemm_outputs"), (H200, "save_gemm_io")):
     choice = build.choose_auto(o2, [_with_memory(report, between)])
     assert choice.settings["remat_policy"] == policy, report
+
+
+@pytest.mark.parametrize("path", ["configs/gpt_125m.yaml", "configs/gpt_1_3b.yaml",
+                                  "configs/gpt_7b.yaml", "configs/llama_1b.yaml"])
+@pytest.mark.parametrize("sets", [(), ("train.opt_level=O0",), ("train.opt_level=O3",
+                                  "parallel.zero_stage=3"), ("train.microbatches=4",)])
+def test_run_memory_counts_evaluation_and_probe_below_the_step(path, sets):
+  """The auto remat policy reads the largest phase of the run (memory.run_bytes): evaluation
+  and the FP8 probe run on the step's plan, so the step is the largest."""
+  cfg = load_config(path, list(sets))
+  for policy in ("full", "save_gemm_io"):
+    phases = memory.phase_bytes(cfg, policy, "cudnn", devices=4)
+    assert set(phases) == set(memory.PHASES[:2 + cfg.level().fp8_gemms])
+    step = phases.pop("train step")
+    assert step == memory.step_bytes(cfg, policy, "cudnn", devices=4)
+    assert 0 < max(phases.values()) < step, phases
+    assert memory.run_bytes(cfg, policy, "cudnn", devices=4) == step

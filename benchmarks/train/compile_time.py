@@ -1,0 +1,127 @@
+"""Compile time of a run per level: what ``fp8jax train`` compiles before and during its first
+steps, program by program, each level in its own process.
+
+  python benchmarks/train/compile_time.py --config configs/gpt_125m.yaml \
+      [--levels O0,O1,O2,O3] [--steps 2] [--cached] [--set key=value ...]
+
+Each level runs the Trainer (``fp8jax.train.loop.Trainer``) on the config for ``--steps``
+steps with an evaluation and an FP8 health probe at the last step (``train.eval_every`` and
+``train.fp8_health_every`` set to ``--steps``, ``train.eval_batches=1``, no checkpoints), in a
+fresh subprocess with the persistent compilation cache off (``runtime.compile_cache=false``:
+every program compiles). ``fp8jax.train.compiles.CompileLog`` records every compile request
+(``jax.monitoring``); the table gives, per level, the seconds and count of the train step's
+compiles, the FP8 probe's (calibration pass and health probe: one program), the evaluation
+step's, the rest (state initialisation, small eager programs), their total, and the wall time
+from the Trainer's construction to the end of the run. ``--cached``: each level runs twice
+more with a fresh cache folder, the second run loading its programs (the "cached" columns:
+wall time and compile seconds of that run). ``--json PATH`` writes the rows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+PROGRAMS = ("train_step", "fp8_probe", "eval_step")
+
+
+def run_one(config: str, level: str, overrides: list[str], steps: int,
+            cache: str | None) -> dict:
+  """One run of `level` in this process: seconds and counts per program, wall seconds."""
+  from fp8jax.config import load_config
+  from fp8jax.train.compiles import CompileLog
+  from fp8jax.train.loop import Trainer
+
+  with tempfile.TemporaryDirectory() as run_dir:
+    cfg = load_config(config, list(overrides) + [
+        f"train.opt_level={level}", f"train.steps={steps}", f"train.eval_every={steps}",
+        f"train.fp8_health_every={steps}", "train.eval_batches=1", f"train.log_every={steps}",
+        "checkpoint.checkpoint_every_n_steps=0", f"runtime.run_dir={run_dir}",
+        f"runtime.compile_cache={cache or 'false'}"])
+    t0 = time.perf_counter()
+    with CompileLog() as log:
+      Trainer(cfg, progress=False).run()
+    wall = time.perf_counter() - t0
+  row = {"level": level, "wall_s": wall, "compile_s": log.seconds(),
+         "cache_hits": sum(c.cached for c in log.compiles)}
+  for name in PROGRAMS:
+    row[f"{name}_s"], row[f"{name}_n"] = log.seconds(name), len(log.of(name))
+  row["other_s"] = row["compile_s"] - sum(row[f"{n}_s"] for n in PROGRAMS)
+  return row
+
+
+def subprocess_run(args, level: str, cache: str | None) -> dict | None:
+  cmd = [sys.executable, __file__, "--config", args.config, "--one", level,
+         "--steps", str(args.steps)] + (["--cache-dir", cache] if cache else [])
+  for s in args.set:
+    cmd += ["--set", s]
+  env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+      filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+  line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+  if line is None:
+    print(f"{level}: failed (exit {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
+    return None
+  return json.loads(line[7:])
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--config", default="configs/tiny.yaml")
+  p.add_argument("--levels", default="O0,O1,O2,O3")
+  p.add_argument("--steps", type=int, default=2)
+  p.add_argument("--cached", action="store_true", help="also time a run from a warm cache")
+  p.add_argument("--set", action="append", default=[])
+  p.add_argument("--json", default=None)
+  p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: LEVEL
+  p.add_argument("--cache-dir", default=None, help=argparse.SUPPRESS)
+  a = p.parse_args()
+  if a.one is not None:
+    row = run_one(a.config, a.one, a.set, a.steps, a.cache_dir)
+    print("RESULT " + json.dumps(row), flush=True)
+    return
+  rows = []
+  for level in a.levels.split(","):
+    row = subprocess_run(a, level, None)
+    if row is None:
+      continue
+    if a.cached:
+      with tempfile.TemporaryDirectory() as cache:
+        subprocess_run(a, level, cache)  # fills the cache
+        warm = subprocess_run(a, level, cache)
+      if warm is not None:
+        row.update(cached_wall_s=warm["wall_s"], cached_compile_s=warm["compile_s"],
+                   cached_hits=warm["cache_hits"])
+    rows.append(row)
+    print(f"{level}: train step {row['train_step_s']:.1f} s x{row['train_step_n']}, probe "
+          f"{row['fp8_probe_s']:.1f} s x{row['fp8_probe_n']}, eval {row['eval_step_s']:.1f} s "
+          f"x{row['eval_step_n']}, other {row['other_s']:.1f} s; compiles {row['compile_s']:.1f}"
+          f" s of {row['wall_s']:.1f} s wall", flush=True)
+  print(f"\nconfig {a.config} {' '.join(a.set)}, {a.steps} steps, cache off")
+  head = "| level | train step s (n) | FP8 probe s (n) | eval step s (n) | other s | compile s |" \
+         " wall s |" + (" cached wall s | cached compile s |" if a.cached else "")
+  print(head)
+  print("|" + "---|" * (head.count("|") - 1))
+  for r in rows:
+    line = (f"| {r['level']} | {r['train_step_s']:.1f} ({r['train_step_n']}) | "
+            f"{r['fp8_probe_s']:.1f} ({r['fp8_probe_n']}) | {r['eval_step_s']:.1f} "
+            f"({r['eval_step_n']}) | {r['other_s']:.1f} | {r['compile_s']:.1f} | "
+            f"{r['wall_s']:.1f} |")
+    if a.cached:
+      line += (f" {r.get('cached_wall_s', float('nan')):.1f} | "
+               f"{r.get('cached_compile_s', float('nan')):.1f} |")
+    print(line)
+  if a.json:
+    with open(a.json, "w") as f:
+      json.dump({"config": a.config, "set": a.set, "steps": a.steps, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,118 @@
+"""What a run compiles: JAX's persistent compilation cache (``runtime.compile_cache``) and a
+record of every XLA compile request in the process (:class:`CompileLog`).
+
+With the cache on, XLA's executables are written to a folder and a later process that builds
+the same program (same HLO, compile options, devices and jax version) loads it instead of
+compiling it again. The cache is trusted: a folder others can write to lets them run code in
+the process (JAX's warning). The folder grows with every new program (JAX's size bound,
+JAX_COMPILATION_CACHE_MAX_SIZE, is left to the user: its eviction cannot share a folder with
+processes that write without it); delete it to reclaim the space.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import NamedTuple
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache
+
+logger = logging.getLogger("fp8jax")
+# The cache folder of runtime.compile_cache "auto" when JAX_COMPILATION_CACHE_DIR is unset.
+DEFAULT_CACHE_DIR = os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+    "fp8jax", "jax_cache")
+# Programs that compile faster than this are not written (the eager ops' small programs);
+# every train step, evaluation step and probe of a model takes longer on GPUs. Kept when
+# JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS is set. No minimum entry size (JAX's default):
+# the compile time already leaves the small programs out.
+MIN_COMPILE_SECONDS = 0.5
+# JAX's compile event (one per compile request: compiled, or loaded from the cache).
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+
+def _jax_cache_dir() -> str | None:
+  """The folder jax's persistent cache uses now (``jax_compilation_cache_dir``)."""
+  return getattr(jax.config, "jax_compilation_cache_dir", None)
+
+
+def cache_dir(setting: str | bool) -> str | None:
+  """The folder `setting` (``runtime.compile_cache``) names: False or "off" -> None; "auto"
+  or True -> the folder jax was given (``JAX_COMPILATION_CACHE_DIR`` or
+  ``jax_compilation_cache_dir``), else :data:`DEFAULT_CACHE_DIR`; any other string is a
+  folder (``~`` expanded)."""
+  if setting is False or setting == "off":
+    return None
+  if setting is True or setting == "auto":
+    given = os.environ.get("JAX_COMPILATION_CACHE_DIR") or _jax_cache_dir()
+    return given or DEFAULT_CACHE_DIR
+  return os.path.expanduser(setting)
+
+
+def use_compile_cache(setting: str | bool) -> str | None:
+  """Points JAX's persistent compilation cache at :func:`cache_dir` of `setting` (None: off;
+  also when the folder cannot be created, with a warning) for the rest of the process, with
+  :data:`MIN_COMPILE_SECONDS` unless JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS sets it;
+  returns the folder (created if missing). Compiles after the call read and write it (a
+  change of folder drops the process's handle on the old one)."""
+  path = cache_dir(setting)
+  if path is not None:
+    try:
+      os.makedirs(path, exist_ok=True)
+    except OSError as error:  # a run does not fail for want of a cache
+      logger.warning("fp8jax: compilation cache off: cannot create %s (%s)", path, error)
+      path = None
+  if path != _jax_cache_dir():
+    jax.config.update("jax_compilation_cache_dir", path)
+    compilation_cache.reset_cache()
+  if path is not None:
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+      jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
+  return path
+
+
+class Compile(NamedTuple):
+  """One XLA compile request: `name` as jax names the program (``"jit(train_step)"``),
+  `seconds` it took, `cached`: loaded from the persistent cache instead of compiled."""
+
+  name: str
+  seconds: float
+  cached: bool
+
+
+class CompileLog:
+  """A context manager recording every compile request of the process while it is open
+  (``jax.monitoring`` events, all threads) in :attr:`compiles`, in order."""
+
+  def __init__(self):
+    self.compiles: list[Compile] = []
+    self._hit = threading.local()
+
+  def _on_event(self, event: str, **kwargs) -> None:
+    if event == CACHE_HIT_EVENT:
+      self._hit.value = True
+
+  def _on_duration(self, event: str, seconds: float, **kwargs) -> None:
+    if event == COMPILE_EVENT:
+      cached = getattr(self._hit, "value", False)
+      self._hit.value = False
+      self.compiles.append(Compile(str(kwargs.get("fun_name", "?")), seconds, cached))
+
+  def __enter__(self) -> "CompileLog":
+    jax.monitoring.register_event_listener(self._on_event)
+    jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    jax.monitoring.unregister_event_listener(self._on_event)
+    jax.monitoring.unregister_event_duration_listener(self._on_duration)
+
+  def of(self, name: str) -> list[Compile]:
+    """The compile requests of the program jax names ``jit(<name>)``."""
+    return [c for c in self.compiles if c.name == f"jit({name})"]
+
+  def seconds(self, name: str | None = None) -> float:
+    """Seconds spent in compile requests (of ``jit(<name>)`` only, when given)."""
+    return sum(c.seconds for c in (self.compiles if name is None else self.of(name)))

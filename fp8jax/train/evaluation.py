@@ -1,0 +1,188 @@
+"""Programs a run runs besides its train step, on the train step's memory plan: the
+evaluation step and the FP8 probe (cast health and calibration).
+
+Both take the step's microbatch (its size, its placement over the batch axes), the model as
+the step applies it (remat policy, GEMM weights decoded to the compute dtype inside the
+program, ZeRO-3 gathering each parameter at use) and the parameters and FP8 state where the
+plan keeps them, and neither forms a parameter gradient: neither needs more device memory
+than the train step beside the state the run holds anyway. The evaluation step loops over up
+to the step's microbatch count of microbatches inside one program (a loop with a dynamic
+trip count: one compile serves a last, shorter call) and returns loss sums and token counts.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from fp8jax import fsdp
+from fp8jax.linen import FP8_COLLECTION, apply_fp8_updates
+from fp8jax.parallel import layout
+from fp8jax.parallel import pipeline as pipeline_lib
+from fp8jax.parallel.zero import ZeroPlan
+from fp8jax.train import health as health_lib
+from fp8jax.train.calibration import calibrated_scales
+from fp8jax.train.state import TrainState
+from fp8jax.train.step import PipelineLoop, next_token_loss, scan_microbatches
+
+
+def _variables(params, fp8, matrix_dtype) -> dict:
+  """The model's variables from the state's `params` and `fp8` (master weights decoded, GEMM
+  weights to `matrix_dtype` when given), as the train step reads them."""
+  return TrainState(jnp.zeros((), jnp.int32), params, fp8, ()).variables(matrix_dtype)
+
+
+def batch_sharding(plan: ZeroPlan, balanced: bool = False) -> NamedSharding:
+  """Where a batch int32[k m, T+1] of the train step's size lives: the step's batch
+  sharding, or replicated in a balanced run (``parallel.device_map``: groups run whole
+  microbatches of their own)."""
+  return layout.replicated(plan.mesh) if balanced else plan.batch
+
+
+def make_eval_loop(apply_fn: Callable, microbatches: int, *,
+                   weight_gather: fsdp.WeightGather | None = None,
+                   pipeline: PipelineLoop | None = None, matrix_dtype=None) -> Callable:
+  """A jittable ``eval_step(params, fp8, batch int32[k m, T+1], count int32[]) -> (loss_sum
+  f32[], tokens f32[])``: the summed next-token loss (nats) and the number of predicted
+  tokens of the first `count` of the batch's k = `microbatches` microbatches, run one after
+  another as the train step runs them (``fp8jax.train.step.scan_microbatches``).
+
+  `params`, `fp8`: the train state's (``TrainState.params``, ``.fp8``); `weight_gather`:
+  ZeRO-3's (the model gathers its parameters at use); `pipeline`: each microbatch runs
+  forward through the pipeline stages (``fp8jax.parallel.pipeline.pipeline_loss``);
+  `matrix_dtype`: as for ``fp8jax.train.step.make_train_step``."""
+  def microbatch_loss(variables, part):
+    if pipeline is not None:
+      stacked, shared = pipeline.parts.split(variables)
+      parts = lax.with_sharding_constraint(
+          part[None], NamedSharding(pipeline.mesh, P(None, layout.group_axes(pipeline.mesh))))
+      return pipeline_lib.pipeline_loss(pipeline.stage_fns(), pipeline.mesh, stacked, shared,
+                                        parts)
+    with fsdp.gathering(weight_gather):
+      return next_token_loss(apply_fn, variables, part)
+
+  def eval_step(params, fp8, batch, count):
+    variables = _variables(params, fp8, matrix_dtype)  # decoded once, for every microbatch
+    # The loop's "gradients" are an empty tree: it sums and averages the losses alone.
+    loss_only = lambda none, part: (microbatch_loss(variables, part), none)
+    mean, _ = scan_microbatches(loss_only, {"params": {}}, batch, microbatches, count)
+    tokens = count.astype(jnp.float32) * (batch.shape[0] // microbatches) * (batch.shape[1] - 1)
+    return mean * tokens, tokens
+  return eval_step
+
+
+def _step_batch(batch: Sequence[np.ndarray] | np.ndarray, microbatches: int,
+                microbatch_size: int) -> tuple[np.ndarray, int]:
+  """(int32[microbatches * microbatch_size, T+1], n): the n given microbatches (a list of
+  int32[m, T+1], or their concatenation) followed by zero slots no loop reads."""
+  rows = np.concatenate([np.asarray(b, np.int32) for b in batch]) if isinstance(
+      batch, (list, tuple)) else np.asarray(batch, np.int32)
+  n, rest = divmod(rows.shape[0], microbatch_size)
+  if rest or not 1 <= n <= microbatches:
+    raise ValueError(f"expected 1..{microbatches} microbatches of {microbatch_size} "
+                     f"sequences, got {rows.shape[0]} sequences")
+  padded = np.zeros((microbatches * microbatch_size, *rows.shape[1:]), np.int32)
+  padded[:rows.shape[0]] = rows
+  return padded, n
+
+
+class EvalStep(NamedTuple):
+  """A jitted evaluation step (:func:`make_eval_loop`) and the placement of its batch.
+
+  Attributes:
+    jitted: ``(params, fp8, batch, count) -> (loss_sum, tokens)``.
+    place: ``1..microbatches microbatches (a list of int32[m, T+1] or their concatenation;
+      numpy, the same on every process) -> (batch, count)`` placed as the train step places
+      its batch; missing microbatches are zero slots no loop reads.
+    microbatches: the most microbatches one call runs (the train step's count).
+  """
+
+  jitted: Callable
+  place: Callable
+  microbatches: int
+
+  def __call__(self, state, microbatches):
+    """(loss_sum, tokens) of `microbatches` (at most :attr:`microbatches`) under `state`."""
+    return self.jitted(state.params, state.fp8, *self.place(microbatches))
+
+
+def build_eval_step(apply_fn: Callable, plan: ZeroPlan, microbatches: int,
+                    microbatch_size: int, *, balanced: bool = False,
+                    pipeline: PipelineLoop | None = None, matrix_dtype=None) -> EvalStep:
+  """The :class:`EvalStep` of the train step's plan: up to `microbatches` microbatches of
+  `microbatch_size` sequences per call in a batch placed as the step's
+  (:func:`batch_sharding`; `balanced`: a balanced run), parameters and FP8 state in the
+  plan's shardings."""
+  sharding, scalar = batch_sharding(plan, balanced), layout.replicated(plan.mesh)
+  step = make_eval_loop(apply_fn, microbatches,
+                        weight_gather=None if pipeline else plan.weight_gather(),
+                        pipeline=pipeline, matrix_dtype=matrix_dtype)
+  jitted = jax.jit(step, in_shardings=(plan.state.params, plan.state.fp8, sharding, scalar),
+                   out_shardings=(scalar, scalar),
+                   compiler_options=plan.compiler_options or None)
+
+  def place(batch):
+    rows, n = _step_batch(batch, microbatches, microbatch_size)
+    return layout.put_global(rows, sharding), layout.put_global(np.int32(n), scalar)
+  return EvalStep(jitted, place, microbatches)
+
+
+class Probe(NamedTuple):
+  """The jitted FP8 probe of a run (:func:`build_probe`).
+
+  Attributes:
+    jitted: ``(params, fp8, batch) -> (health, fp8)``.
+    place: ``batch (1..k microbatches int32[m, T+1], concatenated; numpy) -> placed batch``
+      (the train step's shape and placement).
+  """
+
+  jitted: Callable
+  place: Callable
+
+  def __call__(self, state, batch):
+    """(health {name: f32[]}, FP8 state with calibrated scales) of `batch`'s first
+    microbatch."""
+    return self.jitted(state.params, state.fp8, self.place(batch))
+
+
+def fp8_updates(apply_fn: Callable, variables: dict, batch: jax.Array) -> dict:
+  """The FP8 collection as a train step on `batch` int32[B, T+1] would leave it: the
+  gradient of the loss with respect to the FP8 state alone (``fp8jax.apply_fp8_updates``; no
+  parameter gradient is formed)."""
+  fp8 = variables[FP8_COLLECTION]
+  grads = jax.grad(lambda f: next_token_loss(apply_fn, {**variables, FP8_COLLECTION: f},
+                                             batch))(fp8)
+  return apply_fp8_updates({FP8_COLLECTION: fp8}, {FP8_COLLECTION: grads})[FP8_COLLECTION]
+
+
+def build_probe(model, plan: ZeroPlan, microbatches: int, microbatch_size: int, *,
+                health: bool, balanced: bool = False, matrix_dtype=None) -> Probe:
+  """The FP8 probe of `model` (the uncalibrated model: on observed FP8 state it casts as the
+  calibrated one) on the first microbatch of a batch of the train step's shape and placement
+  (`microbatches` x `microbatch_size` sequences; `balanced`: see :func:`batch_sharding`):
+  ``(health, fp8)`` where health is ``fp8jax.train.health.probe``'s (`health` True: a linen
+  model; else {}) and fp8 is the state with :func:`fp8jax.train.calibration.
+  calibrated_scales` from that microbatch."""
+  sharding = batch_sharding(plan, balanced)
+  gather = plan.weight_gather()
+
+  def fp8_probe(params, fp8, batch):
+    variables = _variables(params, fp8, matrix_dtype)
+    # the first microbatch, sliced as the train step's loop slices it
+    part = batch.reshape(microbatches, microbatch_size, *batch.shape[1:])[0]
+    with fsdp.gathering(gather):
+      if health:
+        out, observed = health_lib.probe(model, variables, part)
+      else:
+        out, observed = {}, fp8_updates(model.apply, variables, part)
+    return out, calibrated_scales(fp8, observed)
+
+  jitted = jax.jit(fp8_probe, in_shardings=(plan.state.params, plan.state.fp8, sharding),
+                   out_shardings=(layout.replicated(plan.mesh), plan.state.fp8),
+                   compiler_options=plan.compiler_options or None)
+  return Probe(jitted, lambda batch: layout.put_global(
+      _step_batch(batch, microbatches, microbatch_size)[0], sharding))

@@ -1,0 +1,65 @@
+"""A run compiles its train step once (the FP8 calibration is a probe pass, not a second
+step program), and a second run of the same config loads its programs from the persistent
+compilation cache (``runtime.compile_cache``)."""
+import jax
+import pytest
+from jax.experimental.compilation_cache import compilation_cache
+
+from fp8jax.config import load_config
+from fp8jax.train import compiles
+from fp8jax.train.compiles import CompileLog
+from fp8jax.train.loop import Trainer
+
+TINY = "configs/tiny.yaml"
+
+
+@pytest.fixture
+def session_cache():
+  """Puts back the session's compilation cache folder after the test."""
+  before = jax.config.jax_compilation_cache_dir
+  yield
+  jax.config.update("jax_compilation_cache_dir", before)
+  compilation_cache.reset_cache()
+
+
+def _run(cfg) -> CompileLog:
+  with CompileLog() as log:
+    Trainer(cfg, progress=False, overwrite=True).run()
+  return log
+
+
+def test_one_train_step_compile_per_run_and_a_second_run_hits_the_cache(tmp_path,
+                                                                         session_cache):
+  cache = tmp_path / "cache"
+  cfg = load_config(TINY, [
+      "train.opt_level=O1", "fp8.calibrate=always", "train.steps=2", "train.log_every=1",
+      "train.eval_every=1", "train.eval_batches=2", "train.fp8_health_every=1",
+      "train.batch_size=4", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",
+      "model.d_ff=64", "data.seq_len=32", "model.max_seq_len=32", "data.max_bytes=200000",
+      "checkpoint.checkpoint_every_n_steps=0", f"runtime.run_dir={tmp_path / 'run'}",
+      f"runtime.compile_cache={cache}"])
+  first = _run(cfg)
+  assert jax.config.jax_compilation_cache_dir == str(cache)
+  for name in ("train_step", "fp8_probe", "eval_step"):  # (calibration + health: one probe)
+    assert len(first.of(name)) == 1, (name, first.compiles)
+  assert not any(c.cached for c in first.of("train_step"))
+  second = _run(cfg)
+  for name in ("train_step", "fp8_probe", "eval_step"):
+    assert [c.cached for c in second.of(name)] == [True], (name, second.compiles)
+
+
+def test_cache_dir_setting(monkeypatch, tmp_path, session_cache):
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+  jax.config.update("jax_compilation_cache_dir", None)
+  assert compiles.cache_dir("auto") == compiles.DEFAULT_CACHE_DIR
+  assert compiles.cache_dir(True) == compiles.DEFAULT_CACHE_DIR
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "given"))
+  assert compiles.cache_dir("auto") == str(tmp_path / "given")
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "env"))
+  assert compiles.cache_dir("auto") == str(tmp_path / "env")
+  assert compiles.cache_dir(False) is None and compiles.cache_dir("off") is None
+  assert compiles.cache_dir(str(tmp_path / "mine")) == str(tmp_path / "mine")
+  assert compiles.use_compile_cache(False) is None
+  assert jax.config.jax_compilation_cache_dir is None
+  (tmp_path / "a_file").write_text("")
+  assert compiles.use_compile_cache(str(tmp_path / "a_file" / "cache")) is None  # warned, off
