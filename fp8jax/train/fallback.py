@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax.train.state import TrainState
-from fp8jax.train.step import next_token_loss, scan_microbatches
+from fp8jax.train.loss import next_token_loss
+from fp8jax.train.step import scan_microbatches
 
 logger = logging.getLogger("fp8jax")
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from fp8jax.linen import FP8_COLLECTION, HEALTH_COLLECTION, PERTURBATIONS, apply_fp8_updates
 from fp8jax.recipe import Recipe
-from fp8jax.train.step import cross_entropy
+from fp8jax.train.loss import cross_entropy
 
 ROLES = ("input", "kernel", "output_grad")
 

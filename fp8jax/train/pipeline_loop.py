@@ -1,0 +1,118 @@
+"""The pipeline loop of the train step: microbatches through the stages of the mesh's "pipe"
+axis (:mod:`fp8jax.parallel.pipeline`'s GPipe and 1F1B schedules)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from fp8jax.accumulate import widen
+from fp8jax.parallel import layout
+from fp8jax.parallel import pipeline as pipeline_lib
+from fp8jax.parallel.mesh import pipe_size
+from fp8jax.parallel.zero import ZeroPlan
+from fp8jax.train.batching import batch_placement
+from fp8jax.train.loss import cross_entropy
+from fp8jax.train.state import TrainState
+from fp8jax.train.update import apply_gradients
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineLoop:
+  """The pipeline loop's settings (see :func:`pipeline_microbatches`).
+
+  Attributes:
+    mesh: the device mesh; its "pipe" axis holds the stages (2 or more).
+    parts: the model cut into ``split(variables) -> (stacked, shared)``, ``merge(stacked,
+      shared)``, ``embed(shared, tokens) -> x``, ``layers(stacked, x) -> x`` and
+      ``logits(shared, x) -> logits`` (``fp8jax.models.layers.DecoderParts``, from
+      ``model.parts()``).
+    schedule: "gpipe" (all forwards, then all backwards: k kept inputs per stage) or "1f1b"
+      (interleaved: at most 2P - 1 kept inputs, a larger bubble; ``fp8jax.parallel.pipeline``).
+    microbatch_size, dynamic: for :func:`build_step`, as :class:`UniformLoop`'s.
+    matrix_dtype: for :func:`build_step`, as :func:`make_train_step`'s.
+  """
+
+  mesh: Mesh
+  parts: Any
+  schedule: str = "gpipe"
+  microbatch_size: int | None = None
+  dynamic: bool = False
+  matrix_dtype: Any = None
+
+  def __post_init__(self):
+    pipeline_lib.check_schedule(self.schedule)
+    if pipe_size(self.mesh) < 2:
+      raise ValueError(f"the pipeline loop needs a mesh with a 'pipe' axis of 2 or more "
+                       f"stages, got axes {dict(self.mesh.shape)}")
+    missing = [m for m in ("split", "merge", "embed", "layers", "logits")
+               if not callable(getattr(self.parts, m, None))]
+    if missing:
+      raise ValueError(f"pipeline parallelism needs the model cut into parts; "
+                       f"{type(self.parts).__name__} has no {missing} (the reference "
+                       f"families give them: model.parts())")
+
+  @property
+  def stages(self) -> int:
+    return pipe_size(self.mesh)
+
+  def stage_fns(self) -> pipeline_lib.Stages:
+    """The model as the schedule's first / stage / last functions (:func:`stages_of`)."""
+    return stages_of(self.parts)
+
+  def program(self, apply_fn, tx, plan: ZeroPlan, microbatches: int, fused_update=None):
+    """(step, place, batch shardings) for :func:`build_step`: the pipeline step with the
+    plan's gradient layout (`microbatches` >= the stages) and the batch over the batch axes
+    (with :attr:`dynamic`, padded, plus its count)."""
+    if self.mesh != plan.mesh:
+      raise ValueError("build_step: the PipelineLoop's mesh is not the plan's")
+    pipeline_lib.check_stages(self.stages, microbatches)
+    step = pipeline_step_fn(self, tx, microbatches, plan.reduce_fn(), fused_update,
+                            self.matrix_dtype)
+    return (step, *batch_placement(plan, self.dynamic, microbatches, self.microbatch_size))
+
+
+def stages_of(parts) -> pipeline_lib.Stages:
+  """`parts` (:class:`fp8jax.models.layers.DecoderParts`) as the schedules' first / stage /
+  last functions (last: mean next-token loss of a microbatch int32[m, T+1])."""
+  return pipeline_lib.Stages(
+      first=lambda shared, part: parts.embed(shared, part[:, :-1]),
+      stage=parts.layers,
+      last=lambda shared, y, part: cross_entropy(parts.logits(shared, y), part[:, 1:]))
+
+
+def pipeline_microbatches(loop: PipelineLoop, variables, batch, microbatches: int, count=None):
+  """The pipeline loop: `batch` int32[B, T+1] split into `microbatches` equal parts run
+  through the stages of ``loop.mesh``'s "pipe" axis (``loop.schedule``: GPipe or 1F1B,
+  :mod:`fp8jax.parallel.pipeline`; each part's sequences stay split over the batch axes).
+  `count`: None, or an int32 scalar (possibly traced) in [1, microbatches]: only the first
+  `count` parts run (a batch ramp), as in :func:`scan_microbatches`. Returns (mean loss, mean
+  parameter gradients in f32 and FP8 state combined by max), as :func:`scan_microbatches`."""
+  if batch.shape[0] % microbatches:
+    raise ValueError(f"batch of {batch.shape[0]} sequences does not split into "
+                     f"{microbatches} microbatches")
+  pipeline_lib.check_stages(loop.stages, microbatches)
+  parts = batch.reshape(microbatches, batch.shape[0] // microbatches, *batch.shape[1:])
+  parts = lax.with_sharding_constraint(
+      parts, NamedSharding(loop.mesh, P(None, layout.group_axes(loop.mesh))))
+  stacked, shared = loop.parts.split(variables)
+  loss, g_stacked, g_shared = pipeline_lib.pipeline_grads(
+      loop.stage_fns(), loop.mesh, stacked, shared, parts, count, schedule=loop.schedule)
+  grads = loop.parts.merge(g_stacked, g_shared)
+  return loss, {**grads, "params": jax.tree.map(widen, grads["params"])}
+
+
+def pipeline_step_fn(pipeline: PipelineLoop, tx, microbatches: int, reduce_gradients,
+                   fused_update, matrix_dtype):
+  """The pipeline loop's ``step(state, batch, count=None)`` (:func:`make_train_step`)."""
+  def pipeline_step(state: TrainState, batch, count=None):
+    variables = state.variables(matrix_dtype)
+    loss, grads = pipeline_microbatches(pipeline, variables, batch, microbatches, count)
+    if reduce_gradients is not None:
+      grads = {**grads, "params": reduce_gradients(grads["params"])}
+    return apply_gradients(state, tx, grads, loss, fused_update)
+  return pipeline_step
+
