@@ -440,15 +440,16 @@ def _add_debug(parser: argparse.ArgumentParser, top: bool) -> None:
                       argparse.SUPPRESS, help="show the traceback of any error")
 
 
-def build_parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="fp8jax", description=DESCRIPTION)
-  _add_debug(parser, top=True)
-  sub = parser.add_subparsers(dest="command", required=True)
+def _add_check(sub) -> argparse.ArgumentParser:
   check = sub.add_parser("check", help="devices, FP8 support, FP8 vs BF16 layer comparison")
   check.add_argument("--shape", type=int, nargs=3, metavar=("M", "K", "N"),
                      help="Dense layer shape (default: 8192^3 on GPU, 512x1024x1024 on CPU)")
   check.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
   check.set_defaults(func=cmd_check)
+  return check
+
+
+def _add_train(sub) -> argparse.ArgumentParser:
   train = sub.add_parser(
       "train", help="train the reference decoder LM from a YAML config",
       formatter_class=argparse.RawDescriptionHelpFormatter, description=_TRAIN_DESCRIPTION)
@@ -465,6 +466,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="replace an earlier run in the run folder (its logs and checkpoints) "
                           "instead of refusing to mix with it")
   train.set_defaults(func=cmd_train)
+  return train
+
+
+def _add_profile(sub) -> argparse.ArgumentParser:
   prof = sub.add_parser("profile", help="measure seconds per microbatch vs microbatch size on "
                         "this device kind (a throughput profile for parallel.device_map)")
   prof.add_argument("--config", default=None, help="YAML config (model, level, seq_len)")
@@ -480,6 +485,10 @@ def build_parser() -> argparse.ArgumentParser:
   prof.add_argument("--out", default=None, help="JSON path (default: profiles/<kind>-<level>-"
                     "T<seq_len>.json)")
   prof.set_defaults(func=cmd_profile)
+  return prof
+
+
+def _add_launch(sub) -> argparse.ArgumentParser:
   launch = sub.add_parser("launch", help="run a command as N local processes (jax.distributed "
                           "variables set), restart failed attempts")
   launch.add_argument("-n", "--num-processes", type=int, default=1, help="processes (default 1)")
@@ -490,10 +499,18 @@ def build_parser() -> argparse.ArgumentParser:
                            "SIGKILL)")
   launch.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
   launch.set_defaults(func=cmd_launch)
+  return launch
+
+
+def _add_plot(sub) -> argparse.ArgumentParser:
   plot = sub.add_parser("plot", help="loss curves and FP8 scales of runs, overlaid, to PNG")
   plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
   plot.add_argument("-o", "--output", default="runs.png", help="PNG path (default: runs.png)")
   plot.set_defaults(func=cmd_plot)
+  return plot
+
+
+def _add_simulate(sub) -> argparse.ArgumentParser:
   sim = sub.add_parser("simulate", help="predicted step time of a mixed-GPU cluster, uniform "
                        "vs throughput-balanced microbatches (fp8jax.parallel.cost_model); "
                        "--table: per-GPU memory and step time of 7B/70B/175B on 8-1024 GPUs")
@@ -524,6 +541,10 @@ def build_parser() -> argparse.ArgumentParser:
   sim.add_argument("--profile", action="append", default=[], metavar="KIND=PATH",
                    help="measured profile JSON (`fp8jax profile`) for one kind (repeatable)")
   sim.set_defaults(func=cmd_simulate)
+  return sim
+
+
+def _add_convert_hf(sub) -> argparse.ArgumentParser:
   conv = sub.add_parser("convert-hf", help="write a llama run's checkpoint as a Hugging Face "
                         "checkpoint (config.json + safetensors); import one with "
                         "model.init_from: hf:DIR")
@@ -534,6 +555,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="tensor dtype written (default bfloat16)")
   conv.add_argument("--overwrite", action="store_true", help="replace weights in OUT_DIR")
   conv.set_defaults(func=cmd_convert_hf)
+  return conv
+
+
+def _add_tokenizer(sub) -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+  """The `tokenizer` command and its `train` subcommand."""
   tok = sub.add_parser("tokenizer", help="tokenizers for text data (data.tokenizer)")
   tok_sub = tok.add_subparsers(dest="tokenizer_command", required=True)
   tok_train = tok_sub.add_parser("train", help="train a byte-level BPE tokenizer on text files "
@@ -546,6 +572,11 @@ def build_parser() -> argparse.ArgumentParser:
   tok_train.add_argument("--max-bytes", type=int, default=4 << 20,
                          help="text bytes read at most (default 4 MiB)")
   tok_train.set_defaults(func=cmd_tokenizer_train)
+  return tok, tok_train
+
+
+def _checkpoint_parent() -> argparse.ArgumentParser:
+  """The arguments `eval` and `generate` share: the model to load and how to run it."""
   model_help = ("a run folder of fp8jax train (its newest checkpoint) or hf:DIR (a Hugging "
                 "Face LLaMA checkpoint)")
   common = argparse.ArgumentParser(add_help=False)
@@ -562,6 +593,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "DIR/tokenizer.json); 'bytes': byte-level ids")
   common.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
                       help="compute dtype (default: the run's; bfloat16 for hf:DIR)")
+  return common
+
+
+def _add_eval(sub, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
   ev = sub.add_parser("eval", parents=[common],
                       help="loss, perplexity and bits per byte of a checkpoint on a token "
                            "source, at BF16 or an FP8 level")
@@ -583,6 +618,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "checkpoint has none (default 4)")
   ev.add_argument("--json", action="store_true", help="print one JSON object")
   ev.set_defaults(func=cmd_eval)
+  return ev
+
+
+def _add_generate(sub, common: argparse.ArgumentParser) -> argparse.ArgumentParser:
   gen = sub.add_parser("generate", parents=[common],
                        help="continue a prompt with a key/value cache (gpt and llama)")
   gen.add_argument("--prompt", required=True, help="the text to continue")
@@ -594,9 +633,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sample among the k most likely tokens (0: all; default 40)")
   gen.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
   gen.set_defaults(func=cmd_generate)
+  return gen
+
+
+def build_parser() -> argparse.ArgumentParser:
+  """The `fp8jax` argument parser: one subcommand per ``cmd_*`` function (``func``)."""
+  parser = argparse.ArgumentParser(prog="fp8jax", description=DESCRIPTION)
+  _add_debug(parser, top=True)
+  sub = parser.add_subparsers(dest="command", required=True)
+  commands = [_add_check(sub), _add_train(sub), _add_profile(sub), _add_launch(sub),
+              _add_plot(sub), _add_simulate(sub), _add_convert_hf(sub), *_add_tokenizer(sub)]
+  common = _checkpoint_parent()
+  commands += [_add_eval(sub, common), _add_generate(sub, common)]
   bench.configure(sub.add_parser("bench", help="measure fp8jax's speed claims here: mlp, step, "
                                  "optim, comm or all, each against its baselines in one run"))
-  for command in (check, train, prof, launch, plot, sim, conv, tok, tok_train, ev, gen):
+  for command in commands:
     _add_debug(command, top=False)
   return parser
 

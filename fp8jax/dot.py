@@ -15,7 +15,8 @@ A weight that lives sharded (ZeRO-3, ``weight_shardings``, :mod:`fp8jax.fsdp`) i
 shard with the tensor's scale (the replicated state's delayed scale, or the global amax) and
 its E4M3 bytes are all-gathered for the GEMM; the residual is the cast shard (tagged
 ``WEIGHT_CAST_NAME``), gathered again in the backward, and the weight gradient is summed
-over the devices in f32 into the shards.
+over the devices in f32 into the shards. Any ``dot_general`` layout is brought to one
+[B?, M, K] @ [B?, K, N] matmul, its weight's shardings with it (:mod:`fp8jax.dot_layout`).
 
 With ``Recipe(fused_cast_transpose=True)`` (GPU, native FP8) activations and output gradients
 are cast by one fused kernel (:mod:`fp8jax.kernels.cast_transpose`) that also writes their
@@ -52,9 +53,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec as P
 
 from fp8jax import fsdp, scaling
+from fp8jax.dot_layout import agree_on_vma, canonical_dims, explicit_shardings, to_vma, \
+    vma_of, weight_gather
 from fp8jax.hardware import active_plan, native_fp8_reason
 from fp8jax.kernels import cast_transpose as ct
 from fp8jax.recipe import Recipe
@@ -148,32 +150,6 @@ class _Config(NamedTuple):
   # all-gathered for the GEMM and again in the backward (unless keep: the gathered bytes are
   # the residual), its gradient reduce-scattered
   w_gather: Any = None
-
-
-def _vma(x) -> frozenset:
-  """Manual mesh axes (inside shard_map) that `x` varies over."""
-  aval = jax.typeof(x)
-  manual = getattr(aval, "manual_axis_type", None)  # jax 0.10+; older releases: aval.vma
-  return frozenset(manual.varying if manual is not None else getattr(aval, "vma", None) or ())
-
-
-def _to_vma(x, vma: frozenset):
-  """`x` marked as varying over `vma` (a no-op outside shard_map)."""
-  missing = tuple(sorted(vma - _vma(x)))
-  return lax.pcast(x, missing, to="varying") if missing else x
-
-
-def _explicit_shardings(x, w):
-  """Shardings for the gradients of `x` and `w` when the mesh has Explicit axes (sharding
-  in types: a contraction over a sharded axis then needs its output sharding), else Nones."""
-  explicit = jax.sharding.AxisType.Explicit
-  shardings = [getattr(jax.typeof(a), "sharding", None) for a in (x, w)]
-  meshes = [getattr(s, "mesh", None) for s in shardings]
-  mesh = next((m for m in meshes if m is not None and explicit in tuple(m.axis_types)), None)
-  if mesh is None:
-    return None, None
-  return tuple(jax.sharding.NamedSharding(mesh, s.spec if m == mesh else P())
-               for s, m in zip(shardings, meshes))
 
 
 def _emulation_dtype():
@@ -389,38 +365,13 @@ def _matmul_bwd(cfg: _Config, res, g, meta_ct, out_activation: str | None = None
     dx, d_gain = jax.vjp(lambda v, g: ct.rms_norm(v, g, cfg.norm_eps), x_pre, gain)[1](
         dx.astype(x_pre.dtype))
   new_meta = Fp8DotMeta(new_in, new_k, scaling.update_meta(og_meta, ag, r, r.bwd_format))
-  new_meta = jax.tree.map(lambda a: _to_vma(a, cfg.meta_vma), new_meta)
+  new_meta = jax.tree.map(lambda a: to_vma(a, cfg.meta_vma), new_meta)
   wc_ct = WeightCast(jnp.zeros_like(qw), jnp.zeros_like(sw), jnp.zeros_like(sw)) \
       if cfg.weight_cast else None  # a cast is not differentiated (w gets the weight gradient)
   return dx, dw, scaling.combine_max(new_meta, meta_ct), wc_ct, d_gain
 
 
 _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
-
-
-def _canonical_dims(lhs_shape, rhs_shape, dimension_numbers):
-  """Permutations and sizes that turn a dot_general into [B, M, K] @ [B, K, N]."""
-  (lc, rc), (lb, rb) = dimension_numbers
-  lc, rc, lb, rb = (tuple(int(a) for a in t) for t in (lc, rc, lb, rb))
-  lf = tuple(i for i in range(len(lhs_shape)) if i not in lc + lb)
-  rf = tuple(i for i in range(len(rhs_shape)) if i not in rc + rb)
-  size = lambda shape, axes: math.prod(shape[i] for i in axes)
-  b, m, k, n = size(lhs_shape, lb), size(lhs_shape, lf), size(lhs_shape, lc), size(rhs_shape, rf)
-  out_shape = tuple(lhs_shape[i] for i in lb + lf) + tuple(rhs_shape[i] for i in rf)
-  return lb + lf + lc, rb + rc + rf, (b, m, k, n), bool(lb), out_shape
-
-
-def _agree_on_vma(x, w, amax_axes):
-  """Inside shard_map: checks that amaxes are agreed over every axis the operands vary over
-  (else devices would pick different scales), and marks both operands varying alike."""
-  vma = _vma(x) | _vma(w)
-  missing = sorted(vma - set(amax_axes))
-  if missing:
-    raise ValueError(f"fp8_dot_general inside shard_map: the operands vary over mesh axes "
-                     f"{missing} but amax_axes={tuple(amax_axes)!r}; pass "
-                     f"amax_axes={tuple(sorted(vma | set(amax_axes)))!r} so that every device "
-                     "computes the same FP8 scale")
-  return _to_vma(x, vma), _to_vma(w, vma)
 
 
 def _check_weight_cast(wc, rhs, recipe: Recipe, vma: frozenset) -> None:
@@ -437,42 +388,6 @@ def _check_weight_cast(wc, rhs, recipe: Recipe, vma: frozenset) -> None:
   if vma:
     raise ValueError("weight_cast inside shard_map is not supported; let the GEMM cast its "
                      "weight (amaxes agreed over amax_axes)")
-
-
-def _canonical_spec(spec: P, shape, perm, groups) -> P | None:
-  """The spec of ``transpose(x, perm)`` reshaped by merging consecutive dims in `groups`
-  (their counts), for x of `shape` laid out as `spec`; None when a merged dim's layout is no
-  spec (a split dim of a group must be its first dim larger than 1, and the only split one)."""
-  entries = tuple(spec) + (None,) * (len(shape) - len(spec))
-  dims = [(shape[i], entries[i]) for i in perm]
-  out, start = [], 0
-  for count in groups:
-    group, start = dims[start:start + count], start + count
-    split = [j for j, (_, e) in enumerate(group) if e is not None]
-    if len(split) > 1 or (split and any(n > 1 for n, _ in group[:split[0]])):
-      return None
-    out.append(group[split[0]][1] if split else None)
-  return P(*out)
-
-
-def _weight_gather(shardings, rhs_shape, dimension_numbers, rperm, vma: frozenset, keep: bool):
-  """(home, gathered, keep): shardings of the canonical weight ([B?, K, N]) for `shardings`
-  of the rhs, or None when the canonical layout cannot express them."""
-  if vma or (isinstance(shardings, (tuple, list))
-             and any(isinstance(s, fsdp.Local) for s in shardings)):
-    raise ValueError("weight_shardings inside shard_map is not supported; gather the weight "
-                     "first there (fp8jax.fsdp.gather_tree)")
-  if (not isinstance(shardings, (tuple, list)) or len(shardings) != 2
-      or not all(isinstance(s, jax.sharding.NamedSharding) for s in shardings)):
-    raise TypeError(f"weight_shardings must be a (home, gathered) pair of NamedShardings, got "
-                    f"{shardings!r}")
-  (_, rc), (_, rb) = dimension_numbers
-  groups = ((len(rb),) if len(rb) else ()) + (len(rc), len(rhs_shape) - len(rc) - len(rb))
-  specs = [_canonical_spec(s.spec, rhs_shape, rperm, groups) for s in shardings]
-  if any(s is None for s in specs):
-    return None
-  return tuple(jax.sharding.NamedSharding(s.mesh, c) for s, c in zip(shardings, specs)) + (
-      bool(keep),)
 
 
 def _check_lhs_norm(lhs_norm, lhs, dimension_numbers, lhs_activation):
@@ -556,33 +471,33 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
     if not jnp.issubdtype(arr.dtype, jnp.floating):
       raise TypeError(f"fp8_dot_general: {name} must be a float array, got {arr.dtype}")
   out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
-  lperm, rperm, (b, m, k, n), batched, out_shape = _canonical_dims(lhs.shape, rhs.shape,
-                                                                  dimension_numbers)
+  lperm, rperm, (b, m, k, n), batched, out_shape = canonical_dims(lhs.shape, rhs.shape,
+                                                                 dimension_numbers)
   w_gather = None
   if weight_shardings is not None:
     if weight_cast is not None:
       raise ValueError("weight_cast with weight_shardings is not supported: a weight cast "
                        "outside is already whole; pass one or the other")
-    w_gather = _weight_gather(weight_shardings, rhs.shape, dimension_numbers, rperm,
-                              _vma(lhs) | _vma(rhs), keep_gathered_weight)
+    w_gather = weight_gather(weight_shardings, rhs.shape, dimension_numbers, rperm,
+                             vma_of(lhs) | vma_of(rhs), keep_gathered_weight)
     if w_gather is None:  # no canonical layout for them: gathered as it is, then cast
       rhs = fsdp.gather_array(rhs, *weight_shardings)
   x = jnp.transpose(lhs, lperm).reshape((b, m, k) if batched else (m, k))
   w = jnp.transpose(rhs, rperm).reshape((b, k, n) if batched else (k, n))
   reason = _native_reason(m, k, n, out_dtype)
-  x, w = _agree_on_vma(x, w, amax_axes)
+  x, w = agree_on_vma(x, w, amax_axes)
   if gain is not None:  # inside shard_map: varying like x, so its gradient is summed over them
-    gain = _to_vma(gain, _vma(x))
-  meta_vma = frozenset().union(*(_vma(a) for a in jax.tree.leaves(meta)))
+    gain = to_vma(gain, vma_of(x))
+  meta_vma = frozenset().union(*(vma_of(a) for a in jax.tree.leaves(meta)))
   if weight_cast is not None:
-    _check_weight_cast(weight_cast, rhs, recipe, _vma(x) | meta_vma)
+    _check_weight_cast(weight_cast, rhs, recipe, vma_of(x) | meta_vma)
     q = jnp.transpose(weight_cast.q, rperm).reshape(w.shape)
     weight_cast = WeightCast(q, *(jnp.asarray(a, jnp.float32) for a in weight_cast[1:]))
   fused = _uses_fused_kernel(x.shape, x.dtype, (b, m, n) if batched else (m, n), out_dtype,
-                             recipe, reason is None, bool(_vma(x) or meta_vma), lhs_activation)
+                             recipe, reason is None, bool(vma_of(x) or meta_vma), lhs_activation)
   cfg = _Config(recipe, np.dtype(out_dtype).type, reason is None, tuple(amax_axes),
                 np.dtype(lhs.dtype).type, np.dtype(rhs.dtype).type, meta_vma,
-                *_explicit_shardings(x, w), fused=fused, weight_cast=weight_cast is not None,
+                *explicit_shardings(x, w), fused=fused, weight_cast=weight_cast is not None,
                 activation=lhs_activation, norm_eps=norm_eps, w_gather=w_gather)
   y, meta_out = _fp8_matmul(x, w, meta, weight_cast, gain, cfg)
   return y.reshape(out_shape), meta_out
@@ -621,10 +536,10 @@ def _plain_config(x_shape, x_dtype, w, out_dtype, recipe: Recipe,
 def mlp_op_reason(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta) -> str | None:
   """None when :func:`fp8_mlp_chained` can run on these operands, else why it cannot (inside
   ``shard_map``, or on a mesh with Explicit axes: two ``fp8_dot_general_chained`` calls do)."""
-  if _vma(x) | _vma(w_in) | _vma(w_out) or any(
-      _vma(a) for a in jax.tree.leaves((meta_in, meta_out))):
+  if vma_of(x) | vma_of(w_in) | vma_of(w_out) or any(
+      vma_of(a) for a in jax.tree.leaves((meta_in, meta_out))):
     return "inside shard_map (amaxes agreed over mesh axes) it is not supported"
-  if any(s is not None for s in _explicit_shardings(x, w_in) + _explicit_shardings(x, w_out)):
+  if any(s is not None for s in explicit_shardings(x, w_in) + explicit_shardings(x, w_out)):
     return "on a mesh with Explicit axes it is not supported"
   return None
 

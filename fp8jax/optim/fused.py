@@ -129,6 +129,141 @@ def _unstack(v: jax.Array) -> list:
   return [x.reshape(()) for x in jnp.split(v, v.shape[0])]
 
 
+def _check_state(state) -> tuple:
+  """(adam state, decay state, learning-rate state) of ``fp8jax.optim.adamw``'s `state`."""
+  if not (isinstance(state, tuple) and len(state) == 3
+          and isinstance(state[0], ScaleByAdamState)):
+    raise TypeError("adamw_master_step: state must be fp8jax.optim.adamw's state "
+                    "(ScaleByAdamState, decay state, learning-rate state), got "
+                    f"{type(state).__name__}")
+  return state
+
+
+def _leaves(grads, adam_state: ScaleByAdamState, master: MasterWeights) -> tuple:
+  """(treedef, gradients, master weights, first moments, second moments) as leaf lists in the
+  gradients' tree order; ValueError for an unscaled master leaf or a plain gradient of a dtype
+  outside :data:`PLAIN_GRAD_DTYPES`."""
+  g_leaves, treedef = jax.tree.flatten(grads, is_leaf=is_scaled)
+  w_leaves = treedef.flatten_up_to(master.params)
+  mus, nus = treedef.flatten_up_to(adam_state.mu), treedef.flatten_up_to(adam_state.nu)
+  for g, w in zip(g_leaves, w_leaves):
+    if not is_scaled(w):
+      raise ValueError("adamw_master_step: every master leaf must be a ScaledArray")
+    if not is_scaled(g) and np.dtype(g.dtype) not in PLAIN_GRAD_DTYPES:
+      raise ValueError("adamw_master_step: plain gradients must be one of "
+                       f"{[str(d) for d in PLAIN_GRAD_DTYPES]}, got {g.dtype}")
+  return treedef, g_leaves, w_leaves, mus, nus
+
+
+def _decayed(mask, treedef, w_leaves) -> list[bool]:
+  """Per tensor: whether weight decay applies (`mask` as ``optax.add_decayed_weights`` takes
+  it: None for all, a tree of bools or a function of the params)."""
+  if mask is None:
+    return [True] * len(w_leaves)
+  params_like = jax.tree.unflatten(treedef, [w.data for w in w_leaves])
+  m = mask(params_like) if callable(mask) else mask
+  return [bool(x) for x in treedef.flatten_up_to(m)]
+
+
+def _finite(g_leaves, finite) -> tuple:
+  """(f32[L] gradient amaxes or None, bool[] whether the step runs): `finite` alone when every
+  gradient is scaled (no pass over them), else the amaxes' finiteness (and `finite`)."""
+  if finite is not None and all(is_scaled(g) for g in g_leaves):
+    return None, jnp.asarray(finite, jnp.bool_)
+  amax_g = amaxes(g_leaves)
+  ok = jnp.all(jnp.isfinite(amax_g))
+  if finite is not None:
+    ok = ok & jnp.asarray(finite, jnp.bool_)
+  return amax_g, ok
+
+
+def _moment_scales(g_leaves, amax_g, mus, nus, b1, b2, grad_scale, ok) -> tuple:
+  """(g_scales, g_mult, mu_old, nu_old, mu_scale, nu_scale): the gradients' scales (f32[L]; 1
+  where plain), the clipping factor (f32[]), the moments' old and new scales (f32[L]; the old
+  ones where the step is skipped), from the gradients' bounds (:mod:`fp8jax.optim.moments`)."""
+  mu_old = _stack_scales([mu.scale for mu in mus])
+  nu_old = _stack_scales([nu.scale for nu in nus])
+  mu_dtype = mus[0].data.dtype if mus else jnp.float8_e4m3fn
+  nu_dtype = nus[0].data.dtype if nus else jnp.float16
+  g_scales = _stack_scales([g.scale if is_scaled(g) else 1.0 for g in g_leaves])
+  # Per leaf, then stacked (as the composed path: XLA folds constants differently otherwise).
+  g_bound = moments.grad_bounds(g_leaves, amax_g)
+  g_mult = jnp.float32(1.0) if grad_scale is None else jnp.asarray(grad_scale, jnp.float32)
+  mu_scale, nu_scale = moments.next_scales(mu_old, nu_old, g_bound * g_mult, b1, b2, mu_dtype,
+                                           nu_dtype)
+  mu_scale, nu_scale = jnp.where(ok, mu_scale, mu_old), jnp.where(ok, nu_scale, nu_old)
+  return g_scales, g_mult, mu_old, nu_old, mu_scale, nu_scale
+
+
+def _step_size(count, learning_rate, lr_state, b1, b2) -> tuple:
+  """(count', bc1, bc2, -lr, lr state'): Adam's step count after this step, its bias
+  corrections 1 - b^count (f32[]), the negated learning rate and the schedule's next state."""
+  count = optax.safe_int32_increment(count)
+  bc1 = 1.0 - jnp.asarray(b1, jnp.float32) ** count.astype(jnp.float32)
+  bc2 = 1.0 - jnp.asarray(b2, jnp.float32) ** count.astype(jnp.float32)
+  if callable(learning_rate):
+    step_size = -learning_rate(lr_state.count)
+    new_lr_state = lr_state._replace(count=optax.safe_int32_increment(lr_state.count))
+  else:
+    step_size, new_lr_state = -learning_rate, lr_state
+  return count, bc1, bc2, step_size, new_lr_state
+
+
+def _master_scales(w_leaves, w_old_amax) -> tuple:
+  """(old scales, new scales, payload limits), f32[L] each, of the master weights: the new
+  scale writes the old amax (:func:`write_scales`); a weight whose new amax exceeds its limit
+  is clipped."""
+  w_dtypes = [np.dtype(w.data.dtype) for w in w_leaves]
+  w_old_scale = _stack_scales([w.scale for w in w_leaves])
+  w_scale = _write_scales(w_old_amax, w_dtypes)
+  limits = w_scale * np.array([payload_max(d) for d in w_dtypes], np.float32)
+  return w_old_scale, w_scale, limits
+
+
+def _update_tensors(g_leaves, mus, nus, w_leaves, scalars, seed, b1, b2, interpret) -> tuple:
+  """Every tensor's update with its row of `scalars` (f32[L, K.NUM_SCALARS]): the kernel's
+  where :func:`_use_kernel`, else the same function through XLA. Returns ([(mu', nu', w')
+  payloads], f32[L] new master amaxes, {i: [mu, nu, w scales]} the kernel wrote, L bools:
+  through the kernel)."""
+  sizes = [math.prod(w.data.shape) for w in w_leaves]
+  kernel = [_use_kernel(n, interpret) for n in sizes]
+  offsets = np.cumsum([0] + [n // K.BLOCK if k else 0 for n, k in zip(sizes, kernel)])
+  if any(kernel):
+    table = K.scalar_table(scalars)
+    blocks = jnp.zeros((int(offsets[-1]),), jnp.float32)
+  new_data, fallback_amax, kernel_scales = [], [], {}
+  for i, (g, mu, nu, w) in enumerate(zip(g_leaves, mus, nus, w_leaves)):
+    gd = g.data if is_scaled(g) else g
+    shape = gd.shape
+    if kernel[i]:
+      m2, v2, w2, blocks, kernel_scales[i] = _kernel_update(  # scales written by the kernel
+          i, gd, mu, nu, w, table, seed, blocks, int(offsets[i]), b1, b2, interpret)
+    else:
+      index = jnp.arange(sizes[i], dtype=jnp.uint32).reshape(shape)
+      leaf_seed = seed + jnp.uint32(i)  # apply_master_updates' stream
+      m2, v2, w2, mag = K.update_reference(gd, mu.data, nu.data, w.data, scalars[i], leaf_seed,
+                                           index, b1, b2)
+      fallback_amax.append(jnp.max(mag, initial=0.0))
+    new_data.append((m2.reshape(shape), v2.reshape(shape), w2.reshape(shape)))
+  kernel_amax = _tensor_maxima(blocks, np.diff(offsets)[np.array(kernel, bool)]) \
+      if any(kernel) else None
+  return new_data, _merge_amaxes(kernel_amax, fallback_amax, kernel), kernel_scales, kernel
+
+
+def _new_scales(kernel, kernel_scales, mu_scale, nu_scale, w_scale, w_old_scale, ok) -> list:
+  """Per tensor [mu, nu, w] new scales (f32[] each): the kernel's where it ran, else rows of
+  the stacked f32[L] vectors (one split; the master's new scale where the step runs (`ok`),
+  else its old one)."""
+  new_scales = [kernel_scales.get(i) for i in range(len(kernel))]
+  if not all(kernel):
+    rest = np.flatnonzero(~np.array(kernel, bool))
+    cols = jnp.stack([mu_scale, nu_scale, jnp.where(ok, w_scale, w_old_scale)], axis=1)
+    flat = _unstack(cols[rest].reshape(-1))
+    for j, i in enumerate(rest):
+      new_scales[i] = flat[3 * j:3 * j + 3]
+  return new_scales
+
+
 def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1: float = 0.9,
                       b2: float = 0.999, eps: float = 1e-8, weight_decay: float = 1e-4,
                       mask=None, finite=None, grad_scale=None, interpret: bool = False):
@@ -149,60 +284,17 @@ def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1:
       factor), folded into the per-tensor scalars: no pass over the gradients.
     interpret: run the kernel through Pallas' interpreter (tests on CPU).
   """
-  if not (isinstance(state, tuple) and len(state) == 3
-          and isinstance(state[0], ScaleByAdamState)):
-    raise TypeError("adamw_master_step: state must be fp8jax.optim.adamw's state "
-                    f"(ScaleByAdamState, decay state, learning-rate state), got {type(state).__name__}")
-  adam_state, decay_state, lr_state = state
-  g_leaves, treedef = jax.tree.flatten(grads, is_leaf=is_scaled)
-  w_leaves = treedef.flatten_up_to(master.params)
-  mus, nus = treedef.flatten_up_to(adam_state.mu), treedef.flatten_up_to(adam_state.nu)
-  for g, w in zip(g_leaves, w_leaves):
-    if not is_scaled(w):
-      raise ValueError("adamw_master_step: every master leaf must be a ScaledArray")
-    if not is_scaled(g) and np.dtype(g.dtype) not in PLAIN_GRAD_DTYPES:
-      raise ValueError("adamw_master_step: plain gradients must be one of "
-                       f"{[str(d) for d in PLAIN_GRAD_DTYPES]}, got {g.dtype}")
-  decayed = [True] * len(g_leaves)
-  if mask is not None:
-    params_like = jax.tree.unflatten(treedef, [w.data for w in w_leaves])
-    m = mask(params_like) if callable(mask) else mask
-    decayed = [bool(x) for x in treedef.flatten_up_to(m)]
-
-  if finite is not None and all(is_scaled(g) for g in g_leaves):
-    amax_g, ok = None, jnp.asarray(finite, jnp.bool_)  # no pass over the gradients at all
-  else:
-    amax_g = amaxes(g_leaves)
-    ok = jnp.all(jnp.isfinite(amax_g))
-    if finite is not None:
-      ok = ok & jnp.asarray(finite, jnp.bool_)
-  mu_old = _stack_scales([mu.scale for mu in mus])
-  nu_old = _stack_scales([nu.scale for nu in nus])
-  mu_dtype = mus[0].data.dtype if mus else jnp.float8_e4m3fn
-  nu_dtype = nus[0].data.dtype if nus else jnp.float16
-  g_scales = _stack_scales([g.scale if is_scaled(g) else 1.0 for g in g_leaves])
-  # Per leaf, then stacked (as the composed path: XLA folds constants differently otherwise).
-  g_bound = moments.grad_bounds(g_leaves, amax_g)
-  g_mult = jnp.float32(1.0) if grad_scale is None else jnp.asarray(grad_scale, jnp.float32)
-  mu_scale, nu_scale = moments.next_scales(mu_old, nu_old, g_bound * g_mult, b1, b2, mu_dtype,
-                                           nu_dtype)
-  mu_scale, nu_scale = jnp.where(ok, mu_scale, mu_old), jnp.where(ok, nu_scale, nu_old)
-  count = optax.safe_int32_increment(adam_state.count)
-  bc1 = 1.0 - jnp.asarray(b1, jnp.float32) ** count.astype(jnp.float32)
-  bc2 = 1.0 - jnp.asarray(b2, jnp.float32) ** count.astype(jnp.float32)
-  if callable(learning_rate):
-    step_size = -learning_rate(lr_state.count)
-    new_lr_state = lr_state._replace(count=optax.safe_int32_increment(lr_state.count))
-  else:
-    step_size, new_lr_state = -learning_rate, lr_state
-  w_old_amax = master.amax if master.amax is not None else \
-      amaxes(w_leaves)
+  adam_state, decay_state, lr_state = _check_state(state)
+  treedef, g_leaves, w_leaves, mus, nus = _leaves(grads, adam_state, master)
+  decayed = _decayed(mask, treedef, w_leaves)
+  amax_g, ok = _finite(g_leaves, finite)
+  g_scales, g_mult, mu_old, nu_old, mu_scale, nu_scale = _moment_scales(
+      g_leaves, amax_g, mus, nus, b1, b2, grad_scale, ok)
+  count, bc1, bc2, step_size, new_lr_state = _step_size(adam_state.count, learning_rate,
+                                                        lr_state, b1, b2)
+  w_old_amax = master.amax if master.amax is not None else amaxes(w_leaves)
   seed = hash32(master.count.astype(jnp.uint32))
-
-  w_dtypes = [np.dtype(w.data.dtype) for w in w_leaves]
-  w_old_scale = _stack_scales([w.scale for w in w_leaves])
-  w_scale = _write_scales(w_old_amax, w_dtypes)
-  limits = w_scale * np.array([payload_max(d) for d in w_dtypes], np.float32)
+  w_old_scale, w_scale, limits = _master_scales(w_leaves, w_old_amax)
   scalars = _scalar_matrix({
       K.S_G: g_scales * g_mult, K.S_MU_OLD: mu_old, K.S_NU_OLD: nu_old,
       K.S_INV_MU: _inv(mu_scale), K.S_NU_NEW: nu_scale, K.S_INV_NU: _inv(nu_scale),
@@ -210,51 +302,19 @@ def adamw_master_step(grads, state, master: MasterWeights, *, learning_rate, b1:
       K.S_WD: np.array([weight_decay if d else 0.0 for d in decayed], np.float32),
       K.S_STEP: step_size, K.S_OK: ok.astype(jnp.float32), K.S_W_OLD: w_old_scale,
       K.S_W_NEW: w_scale, K.S_INV_W: _inv(w_scale), K.S_MU_NEW: mu_scale}, len(w_leaves))
-  sizes = [math.prod(w.data.shape) for w in w_leaves]
-  kernel = [_use_kernel(n, interpret) for n in sizes]
-  offsets = np.cumsum([0] + [n // K.BLOCK if k else 0 for n, k in zip(sizes, kernel)])
-  if any(kernel):
-    table = K.scalar_table(scalars)
-    blocks = jnp.zeros((int(offsets[-1]),), jnp.float32)
-
-  new_data, fallback_amax, kernel_scales = [], [], {}
-  for i, (g, mu, nu, w) in enumerate(zip(g_leaves, mus, nus, w_leaves)):
-    gd = g.data if is_scaled(g) else g
-    shape = gd.shape
-    if kernel[i]:
-      m2, v2, w2, blocks, kernel_scales[i] = _kernel_update(  # scales written by the kernel
-          i, gd, mu, nu, w, table, seed, blocks, int(offsets[i]), b1, b2, interpret)
-    else:
-      index = jnp.arange(sizes[i], dtype=jnp.uint32).reshape(shape)
-      leaf_seed = seed + jnp.uint32(i)  # apply_master_updates' stream
-      m2, v2, w2, mag = K.update_reference(gd, mu.data, nu.data, w.data, scalars[i], leaf_seed,
-                                           index, b1, b2)
-      fallback_amax.append(jnp.max(mag, initial=0.0))
-    new_data.append((m2.reshape(shape), v2.reshape(shape), w2.reshape(shape)))
-  kernel_amax = _tensor_maxima(blocks, np.diff(offsets)[np.array(kernel, bool)]) \
-      if any(kernel) else None
-  new_amax = _merge_amaxes(kernel_amax, fallback_amax, kernel)
+  new_data, new_amax, kernel_scales, kernel = _update_tensors(
+      g_leaves, mus, nus, w_leaves, scalars, seed, b1, b2, interpret)
+  new_scales = _new_scales(kernel, kernel_scales, mu_scale, nu_scale, w_scale, w_old_scale, ok)
+  unflat = lambda k: jax.tree.unflatten(treedef, [ScaledArray(d[k], sc[k])
+                                                  for d, sc in zip(new_data, new_scales)])
   n = len(w_leaves)
-  new_scales = [kernel_scales.get(i) for i in range(n)]
-  if not all(kernel):  # the other tensors' new scales: one split of the stacked vectors
-    rest = np.flatnonzero(~np.array(kernel, bool))
-    cols = jnp.stack([mu_scale, nu_scale, jnp.where(ok, w_scale, w_old_scale)], axis=1)
-    flat = _unstack(cols[rest].reshape(-1))
-    for j, i in enumerate(rest):
-      new_scales[i] = flat[3 * j:3 * j + 3]
-  new_mu = [ScaledArray(d[0], sc[0]) for d, sc in zip(new_data, new_scales)]
-  new_nu = [ScaledArray(d[1], sc[1]) for d, sc in zip(new_data, new_scales)]
-  new_w = [ScaledArray(d[2], sc[2]) for d, sc in zip(new_data, new_scales)]
-
   amax_w = new_amax if n else w_old_amax
   clipped = ok & jnp.any(amax_w > limits) if n else jnp.bool_(False)
   previous = jnp.zeros((), jnp.int32) if master.clipped is None else master.clipped
-  unflat = lambda xs: jax.tree.unflatten(treedef, xs)
-  new_adam = ScaleByAdamState(jnp.where(ok, count, adam_state.count), unflat(new_mu),
-                              unflat(new_nu))
+  new_adam = ScaleByAdamState(jnp.where(ok, count, adam_state.count), unflat(0), unflat(1))
   new_state = (new_adam, decay_state,
                jax.tree.map(lambda a, b: jnp.where(ok, a, b), new_lr_state, lr_state))
-  new_master = MasterWeights(unflat(new_w), master.count + ok.astype(jnp.int32),
+  new_master = MasterWeights(unflat(2), master.count + ok.astype(jnp.int32),
                              jnp.where(ok, amax_w, w_old_amax),
                              previous + clipped.astype(jnp.int32))
   return new_master, new_state

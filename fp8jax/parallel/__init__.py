@@ -21,7 +21,10 @@ offload, and ``initialize()`` for multi-host runs.
 * Heterogeneous meshes: :mod:`~fp8jax.parallel.capability` (FP8 native/emulated per process,
   agreed), :mod:`~fp8jax.parallel.balance` (microbatch counts per group),
   :mod:`~fp8jax.parallel.device_map` and :mod:`~fp8jax.parallel.profile` (throughputs),
-  :mod:`~fp8jax.parallel.cost_model` (``fp8jax simulate``: step time and per-GPU memory).
+  :mod:`~fp8jax.parallel.cost_model` (``fp8jax simulate``: step time of a mixed cluster).
+* :mod:`fp8jax.parallel.step_memory`: bytes per GPU of a train step (the one memory model);
+  :mod:`fp8jax.parallel.cost_inputs`: the model shape, modelling constants and bytes per
+  parameter it and the cost model read.
 * :mod:`fp8jax.parallel.sizing`: the fastest ZeRO stage x tensor x pipeline layout of N GPUs
   that fits (``fp8jax simulate --table``).
 """

@@ -3,7 +3,7 @@
 For a level, :func:`best_layout` tries every ZeRO stage x tensor size x pipeline size x
 microbatch size of N GPUs and returns the fastest step that fits (or, when none does, the
 one that needs the least memory), as a :class:`LayoutStep`: per-GPU memory
-(:func:`fp8jax.parallel.cost_model.device_memory`), step time, tokens/s and MFU.
+(:func:`fp8jax.parallel.step_memory.device_memory`), step time, tokens/s and MFU.
 ``fp8jax simulate --table`` prints it for 7B, 70B and 175B on 8 to 1024 GPUs.
 
 GPUs are placed tensor ranks innermost, then data-parallel ranks, then pipeline stages: a
@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import Iterator, NamedTuple, Sequence
 
 from fp8jax.hardware import fp8_native, gpu_spec
-from fp8jax.parallel import cost_model as cm
+from fp8jax.parallel import cost_inputs as ci, cost_model as cm, step_memory as sm
 from fp8jax.parallel.pipeline import bubble_fraction
 
 STAGES = (1, 3)  # the ZeRO stages tried by default
@@ -42,10 +42,10 @@ class LayoutStep(NamedTuple):
   gpus: int
   level: str
   zero_stage: int
-  layout: cm.Layout
+  layout: sm.Layout
   microbatch: int          # sequences per microbatch
   microbatches: int        # per data-parallel rank and step
-  memory: cm.DeviceMemory  # the fullest GPU's
+  memory: sm.DeviceMemory  # the fullest GPU's
   fits: bool               # memory.peak within the kind's usable HBM
   compute_s: float         # k microbatches through one pipeline stage, no bubble
   bubble_s: float
@@ -69,9 +69,9 @@ def _check_int(name: str, value, low: int = 1) -> int:
   return value
 
 
-def layout_step(model: cm.ModelShape, kind: str, level: str, zero_stage: int,
-                layout: cm.Layout, seq_len: int, global_batch: int, microbatch: int,
-                a: cm.Assumptions = cm.Assumptions(), gpus_per_node: int = 8,
+def layout_step(model: ci.ModelShape, kind: str, level: str, zero_stage: int,
+                layout: sm.Layout, seq_len: int, global_batch: int, microbatch: int,
+                a: ci.Assumptions = ci.Assumptions(), gpus_per_node: int = 8,
                 inter_node_bw: float = 50e9) -> LayoutStep:
   """The step of `model` on ``layout.gpus`` GPUs of `kind` at `level` and ZeRO stage
   `zero_stage` (over ``layout.data``), `global_batch` sequences of `seq_len` tokens per step
@@ -81,8 +81,8 @@ def layout_step(model: cm.ModelShape, kind: str, level: str, zero_stage: int,
   data-parallel rank, or the model's layers or widths do not split over the layout.
   """
   layout = layout.check()
-  level = cm._check_level(level)
-  stage = cm._check_stage(level, zero_stage)
+  level = ci._check_level(level)
+  stage = ci._check_stage(level, zero_stage)
   a = a.check()
   spec = gpu_spec(kind)
   _check_int("seq_len", seq_len)
@@ -100,8 +100,8 @@ def layout_step(model: cm.ModelShape, kind: str, level: str, zero_stage: int,
     raise ValueError(f"tensor={t} does not divide d_model={model.d_model} and "
                      f"d_ff={model.d_ff}; use a tensor size that divides both")
   k = global_batch // (d * microbatch)
-  emulated = cm._level(level).fp8_gemms and not fp8_native(spec.name)
-  memory = cm.device_memory(model, level, stage, seq_len, microbatch, k, layout, a, emulated)
+  emulated = ci._level(level).fp8_gemms and not fp8_native(spec.name)
+  memory = sm.device_memory(model, level, stage, seq_len, microbatch, k, layout, a, emulated)
   t_mb = cm.microbatch_seconds(model, seq_len, microbatch, level, spec.name, a) / (t * pp)
   layers = -(-model.n_layers // pp)
   tokens = microbatch * seq_len
@@ -122,8 +122,8 @@ def layout_step(model: cm.ModelShape, kind: str, level: str, zero_stage: int,
                           compute_bytes=model.compute_bytes)
   bw = _bandwidth(d * t, gpus_per_node, spec.nvlink_bw, inter_node_bw)
   data_comm = sum(cm.ring_seconds(b, d, bw, a) for b in payload.values())
-  eff = a.fp8_optimizer_hbm_efficiency if cm._level(level).scaled_master else a.hbm_efficiency
-  optimizer = cm.optimizer_bytes_per_param(level) * (kernels + others) / (
+  eff = a.fp8_optimizer_hbm_efficiency if ci._level(level).scaled_master else a.hbm_efficiency
+  optimizer = ci.optimizer_bytes_per_param(level) * (kernels + others) / (
       d if stage >= 1 else 1) / (spec.hbm_bw * eff)
   compute = k * t_mb
   idle = bubble_fraction(pp, k, layout.schedule) if pp > 1 else 0.0
@@ -132,12 +132,12 @@ def layout_step(model: cm.ModelShape, kind: str, level: str, zero_stage: int,
   tokens_per_s = global_batch * seq_len / step
   mfu = model.flops_per_token(seq_len) * tokens_per_s / (layout.gpus * spec.bf16_flops)
   return LayoutStep(spec.name, layout.gpus, level, stage, layout, microbatch, k, memory,
-                    memory.peak <= cm.usable_bytes(spec.name, a), compute, bubble, tensor_comm,
+                    memory.peak <= sm.usable_bytes(spec.name, a), compute, bubble, tensor_comm,
                     pipe_comm, data_comm, optimizer, step, tokens_per_s, mfu)
 
 
-def layouts(gpus: int, model: cm.ModelShape, global_batch: int, gpus_per_node: int = 8,
-            schedule: str = "1f1b") -> Iterator[cm.Layout]:
+def layouts(gpus: int, model: ci.ModelShape, global_batch: int, gpus_per_node: int = 8,
+            schedule: str = "1f1b") -> Iterator[sm.Layout]:
   """Every layout of `gpus` GPUs: tensor sizes of powers of two within one node that divide
   d_model and d_ff, pipeline sizes of powers of two up to the layer count, and a
   data-parallel size that divides the global batch."""
@@ -148,23 +148,23 @@ def layouts(gpus: int, model: cm.ModelShape, global_batch: int, gpus_per_node: i
       pp = 1
       while pp <= model.n_layers and t * pp <= gpus:
         if (gpus // t) % pp == 0 and global_batch % (gpus // (t * pp)) == 0:
-          yield cm.Layout(gpus // (t * pp), t, pp, schedule)
+          yield sm.Layout(gpus // (t * pp), t, pp, schedule)
         pp *= 2
     t *= 2
 
 
-def candidates(model: cm.ModelShape, kind: str, gpus: int, level: str, seq_len: int,
+def candidates(model: ci.ModelShape, kind: str, gpus: int, level: str, seq_len: int,
                global_batch: int, stages: Sequence[int] = STAGES,
-               a: cm.Assumptions = cm.Assumptions(), gpus_per_node: int = 8,
+               a: ci.Assumptions = ci.Assumptions(), gpus_per_node: int = 8,
                inter_node_bw: float = 50e9, schedule: str = "1f1b") -> list[LayoutStep]:
   """The step of every stage in `stages` (raised to the level's least) x :func:`layouts` x
   power-of-two microbatch that divides the batch of a data-parallel rank into at least as
   many microbatches as the layout has pipeline stages (what the step runs)."""
-  level = cm._check_level(level)
+  level = ci._check_level(level)
   for name, value in (("gpus", gpus), ("seq_len", seq_len), ("global_batch", global_batch)):
     _check_int(name, value)
   out = []
-  for stage in sorted({cm._level(level).zero_stage_for(cm._check_stage("O0", s))
+  for stage in sorted({ci._level(level).zero_stage_for(ci._check_stage("O0", s))
                        for s in stages}):
     for layout in layouts(gpus, model, global_batch, gpus_per_node, schedule):
       per_rank = global_batch // layout.data
@@ -177,9 +177,9 @@ def candidates(model: cm.ModelShape, kind: str, gpus: int, level: str, seq_len: 
   return out
 
 
-def best_layout(model: cm.ModelShape, kind: str, gpus: int, level: str, seq_len: int,
+def best_layout(model: ci.ModelShape, kind: str, gpus: int, level: str, seq_len: int,
                 global_batch: int, stages: Sequence[int] = STAGES,
-                a: cm.Assumptions = cm.Assumptions(), gpus_per_node: int = 8,
+                a: ci.Assumptions = ci.Assumptions(), gpus_per_node: int = 8,
                 inter_node_bw: float = 50e9, schedule: str = "1f1b") -> LayoutStep:
   """The fastest of :func:`candidates` that fits (ties: less memory); when none fits, the
   one that needs the least memory (``fits`` False). ValueError when there is no layout."""
@@ -195,7 +195,7 @@ def best_layout(model: cm.ModelShape, kind: str, gpus: int, level: str, seq_len:
 
 
 def assumption_lines(seq_len: int, global_batch: int, gpus_per_node: int,
-                     inter_node_bw: float, a: cm.Assumptions = cm.Assumptions()) -> list[str]:
+                     inter_node_bw: float, a: ci.Assumptions = ci.Assumptions()) -> list[str]:
   """The table's assumptions, one per line."""
   return [f"global batch {global_batch} sequences x {seq_len} tokens "
           f"({global_batch * seq_len / 2**20:.0f}M tokens) per step; full remat, flash "
@@ -208,14 +208,14 @@ def assumption_lines(seq_len: int, global_batch: int, gpus_per_node: int,
           *a.describe()]
 
 
-def format_rows(rows: Sequence[tuple[str, LayoutStep]], a: cm.Assumptions = cm.Assumptions()
+def format_rows(rows: Sequence[tuple[str, LayoutStep]], a: ci.Assumptions = ci.Assumptions()
                 ) -> str:
   """Markdown table of (model name, step) rows."""
   lines = ["| model | GPUs | level | ZeRO | tensor | pipe | data | mb x k | GiB/GPU | fits "
            "| step s | tokens/s | MFU |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for name, s in rows:
-    usable = cm.usable_bytes(s.kind, a) / cm.GiB
+    usable = sm.usable_bytes(s.kind, a) / cm.GiB
     fits = "yes" if s.fits else f"no (> {usable:.0f})"
     lo = s.layout
     lines.append(f"| {name} | {s.gpus} | {s.level} | {s.zero_stage} | {lo.tensor} | "

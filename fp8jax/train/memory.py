@@ -1,12 +1,12 @@
 """A train step's peak device memory from its config: which terms of the one memory model,
-:func:`fp8jax.parallel.cost_model.device_memory`, a :class:`fp8jax.config.Config`'s run has.
+:func:`fp8jax.parallel.step_memory.device_memory`, a :class:`fp8jax.config.Config`'s run has.
 
 ``fp8jax.train.build.choose_auto`` compares :func:`run_bytes` (the largest of the run's phases,
 :func:`phase_bytes`: the train step, the evaluation step, the FP8 probe) with the device's
 memory to choose ``model.remat_policy``; ``fp8jax simulate`` and :mod:`fp8jax.parallel.sizing` read
 :func:`model_shape`. The terms (state; the backward's gradients, accumulator, decoded,
 gathered and cast weights, activations per remat policy and attention implementation; the
-update) are written in ``device_memory``'s and ``cost_model.activation_bytes``' docstrings.
+update) are written in ``device_memory``'s and ``step_memory.activation_bytes``' docstrings.
 From the config come:
 
 * the ZeRO shards (:func:`data_ranks`: the devices the run spans over its tensor- and
@@ -32,11 +32,11 @@ import math
 import numpy as np
 
 from fp8jax.models.family import family_of
-from fp8jax.parallel import cost_model as cm
+from fp8jax.parallel import cost_inputs as ci, step_memory as sm
 
 GiB = 2**30
-REMAT_POLICIES = cm.REMAT_POLICIES
-ATTENTION_IMPLS = cm.ATTENTION_IMPLS
+REMAT_POLICIES = ci.REMAT_POLICIES
+ATTENTION_IMPLS = ci.ATTENTION_IMPLS
 
 
 def _family_config(model):
@@ -52,8 +52,8 @@ def _family_config(model):
 
 
 def model_shape(model, remat_policy: str | None = None,
-                attention_impl: str | None = None) -> cm.ModelShape:
-  """The :class:`fp8jax.parallel.cost_model.ModelShape` of a built-in family's config
+                attention_impl: str | None = None) -> ci.ModelShape:
+  """The :class:`fp8jax.parallel.cost_inputs.ModelShape` of a built-in family's config
   (``ModelConfig``, ``LlamaConfig``) or of a config's model section.
 
   `remat_policy` / `attention_impl` replace the model's; None keeps it, with "auto" read as
@@ -68,7 +68,7 @@ def model_shape(model, remat_policy: str | None = None,
   per_position = fam.flops_per_token(cfg, 2) - fam.flops_per_token(cfg, 1)
   policy = remat_policy or getattr(cfg, "remat_policy", "full")
   attention = attention_impl or getattr(cfg, "attention_impl", "cudnn")
-  return cm.ModelShape(
+  return ci.ModelShape(
       n_layers=cfg.n_layers, d_model=d, d_ff=cfg.d_ff, vocab_size=v,
       kernel_params=matmul - (d * v if cfg.tie_embeddings else 0),
       other_params=v * d + cfg.n_layers * 2 * d + d,  # embedding (a lookup) and norms
@@ -105,10 +105,10 @@ def _fused_update(config, devices: int) -> bool:
 
 
 def step_memory(config, remat_policy: str, attention_impl: str, devices: int = 1,
-                emulated: bool = False, assumptions: cm.Assumptions = cm.Assumptions(),
-                slots: int | None = None) -> cm.DeviceMemory:
+                emulated: bool = False, assumptions: ci.Assumptions = ci.Assumptions(),
+                slots: int | None = None) -> sm.DeviceMemory:
   """Bytes on one device of `config`'s train step by term
-  (:func:`fp8jax.parallel.cost_model.device_memory`), with remat policy `remat_policy` (not
+  (:func:`fp8jax.parallel.step_memory.device_memory`), with remat policy `remat_policy` (not
   "auto") and `attention_impl` ("xla" or "cudnn"), on a run over `devices` devices;
   `emulated`: the devices run FP8 GEMMs emulated (no FP8 tensor cores); `assumptions`: the
   model's constants (the default's are H200 measurements); `slots`: microbatches of the
@@ -122,11 +122,11 @@ def step_memory(config, remat_policy: str, attention_impl: str, devices: int = 1
   if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
     raise ValueError(f"devices={devices!r} is not allowed; use an integer >= 1")
   p, t = config.parallel, config.train
-  layout = cm.Layout(data=data_ranks(config, devices), tensor=p.tensor_parallel_size,
+  layout = sm.Layout(data=data_ranks(config, devices), tensor=p.tensor_parallel_size,
                      pipeline=p.pipeline_parallel_size)
   shape = model_shape(config.model, remat_policy, attention_impl)
   local = p.device_map is not None or config.grad_comm() == "fp8"
-  return cm.device_memory(shape, config.level().name, config.zero_stage(), config.data.seq_len,
+  return sm.device_memory(shape, config.level().name, config.zero_stage(), config.data.seq_len,
                           device_sequences(config, devices), t.microbatches, layout,
                           assumptions, emulated=emulated, local_grads=local,
                           fused_update=_fused_update(config, devices),
@@ -145,7 +145,7 @@ def busiest_count(config, devices: int = 1) -> int:
 
 
 def step_bytes(config, remat_policy: str, attention_impl: str, devices: int = 1,
-               emulated: bool = False, assumptions: cm.Assumptions = cm.Assumptions()
+               emulated: bool = False, assumptions: ci.Assumptions = ci.Assumptions()
                ) -> float:
   """Estimated peak bytes per device of `config`'s train step: the peak of
   :func:`step_memory` (same arguments)."""

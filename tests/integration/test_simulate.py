@@ -1,4 +1,4 @@
-"""The cost model's per-device memory (fp8jax.parallel.cost_model.device_memory) against the
+"""The cost model's per-device memory (fp8jax.parallel.step_memory.device_memory) against the
 compiled train step's memory analysis (arguments + outputs + temporaries - aliased) on 8 CPU
 devices: ZeRO-3 with per-layer weight gathers (the uniform and the per-group step), and
 ZeRO-1 for contrast, at O3, the config read as fp8jax.train.memory reads it.
@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 
 from fp8jax.config import load_config
-from fp8jax.parallel import cost_model as cm
+from fp8jax.parallel import cost_inputs as ci
 from fp8jax.train import build, memory
 from fp8jax.train.state import state_init_fn
 
-CPU = cm.Assumptions(update_temp_bytes=8.3, emulated_weight_bytes=4.0,
+CPU = ci.Assumptions(update_temp_bytes=8.3, emulated_weight_bytes=4.0,
                      all_reduce_copy_bytes=0.0)
 SHAPE = ["model.d_model=256", "model.n_layers=6", "model.n_heads=4", "model.d_ff=1024",
          "model.mlp=swiglu", "model.vocab_size=256", "model.max_seq_len=16", "data.seq_len=16",

@@ -168,7 +168,7 @@ def test_bad_devices_are_refused():
 
 
 def test_estimate_terms():
-  """The config's terms of the memory model (fp8jax.parallel.cost_model.device_memory): the
+  """The config's terms of the memory model (fp8jax.parallel.step_memory.device_memory): the
   activations per remat policy and attention implementation (bf16, GELU), the state and
   gradients at O1 on one device, ZeRO-1's moments over 8."""
   cfg = _gpt_1_3b("train.opt_level=O1")

@@ -6,7 +6,7 @@ import pytest
 
 from fp8jax import cli, hardware
 from fp8jax.models.gpt import ModelConfig, flops_per_token, matmul_param_count
-from fp8jax.parallel import cost_model as cm
+from fp8jax.parallel import cost_inputs as ci, cost_model as cm, step_memory as sm
 from fp8jax.parallel.balance import KindProfile
 from fp8jax.train import memory
 
@@ -90,17 +90,17 @@ def test_memory_model_by_hand():
   assert SMALL.layer_kernels == 4 * 64 * 64 + 2 * 64 * 256 and SMALL.head_kernels == 64 * 256
   assert SMALL.largest_kernel == 64 * 256  # fc_in / fc_out, above qkv's 64 x 192
   p = kernels + others
-  a = cm.Assumptions()
+  a = ci.Assumptions()
   act = 2 * 34 * 16 * 64 + 16 * 256 * 8  # no remat: 34 d B/token/layer + f32 logits, grad
-  assert cm.activation_bytes(SMALL, 8, 2) == act
+  assert sm.activation_bytes(SMALL, 8, 2) == act
   remat = memory.model_shape(SMALL_CONFIG.replace(remat=True))
-  assert cm.activation_bytes(remat, 8, 2) == 2 * 16 * 64 * 2 + 16 * (16 * 64 + 3 * 256) * 2 + \
+  assert sm.activation_bytes(remat, 8, 2) == 2 * 16 * 64 * 2 + 16 * (16 * 64 + 3 * 256) * 2 + \
       16 * 256 * 8
   meta = 9 * 3 * 17 * 4  # 2 layers x 4 GEMMs + the LM head; 3 roles x (scale + 16 amaxes) f32
   n = 4
 
   def mem(level, stage, **kw):
-    return cm.device_memory(SMALL, level, stage, 8, 2, layout=cm.Layout(data=n), a=a, **kw)
+    return sm.device_memory(SMALL, level, stage, 8, 2, layout=sm.Layout(data=n), a=a, **kw)
   # O0, stage 0: f32 master + m + v = 12 B/param; with the f32 gradients 16 (docs/architecture.md, Levels)
   o0 = mem("O0", 0)
   assert sum(o0.state.values()) == 12 * p
@@ -129,7 +129,7 @@ def test_memory_model_by_hand():
   assert z3.peak == pytest.approx(5 * p / n + meta + max(sum(z3.backward.values()), 7 * p / n))
   # O0 gathers its kernels in BF16; a second microbatch adds an f32 accumulator (/4 from 2)
   assert mem("O0", 3).backward["gathered weights"] == 2 * 2 * SMALL.layer_kernels
-  assert cm.device_memory(SMALL, "O2", 2, 8, 2, 3, cm.Layout(data=n), a).backward[
+  assert sm.device_memory(SMALL, "O2", 2, 8, 2, 3, sm.Layout(data=n), a).backward[
       "accumulator"] == 4 * p / n
   # the per-group (balanced) step decodes the master to f32; at stage 3 it runs layer-major:
   # shards in, 2 layers' E4M3 kernels and one layer's f32 gradients in flight, the reduced
@@ -142,22 +142,22 @@ def test_memory_model_by_hand():
                               "gathered weights": 2 * SMALL.layer_kernels,
                               "weight gradient in flight": 4 * SMALL.layer_kernels,
                               "activations": slots * (2 + 2) * 16 * 64 * 2
-                              + cm.activation_bytes(SMALL, 8, 2, "O2", layers=0)}
+                              + sm.activation_bytes(SMALL, 8, 2, "O2", layers=0)}
     assert local.state == z3.state and local.update == z3.update
   local1 = mem("O2", 1, local_grads=True)
   assert local1.backward == {"gradients": 4 * p, "accumulator": 4 * p, "decoded weights": 4 * p,
                              "FP8 weight casts": kernels, "activations": act}
   # one GPU at O2, stage 0: the fused update (one microbatch: BF16 kernel gradients, no
   # update temporaries); with it off, f32 gradients and the composed update's temporaries
-  one = cm.device_memory(SMALL, "O2", 0, 8, 2, a=a)
+  one = sm.device_memory(SMALL, "O2", 0, 8, 2, a=a)
   assert one.backward["gradients"] == 2 * kernels + 4 * others
   assert one.update == {"gradients": 2 * kernels + 4 * others, "update temporaries": 0.0}
-  composed = cm.device_memory(SMALL, "O2", 0, 8, 2, a=a, fused_update=False)
+  composed = sm.device_memory(SMALL, "O2", 0, 8, 2, a=a, fused_update=False)
   assert composed.backward["gradients"] == 4 * p
   assert composed.update == {"gradients": 4 * p, "update temporaries": 3 * p}
   # XLA attention: one layer's f32 scores and probabilities (2 sequences x 2 heads x T^2)
   xla = dataclasses.replace(SMALL, attention_impl="xla")
-  assert cm.activation_bytes(xla, 8, 2) - act == 2 * 2 * 8 * 8 * 8 * 2  # every layer: no remat
+  assert sm.activation_bytes(xla, 8, 2) - act == 2 * 2 * 8 * 8 * 8 * 2  # every layer: no remat
   # an emulating kind (A100) widens the largest FP8 kernel to BF16
   assert mem("O2", 3, emulated=True).backward["widened FP8 weight"] == 2 * 64 * 256
   assert "widened FP8 weight" not in mem("O0", 3, emulated=True).backward
@@ -168,9 +168,9 @@ def test_pipeline_and_tensor_memory_by_hand():
   1F1B's first stage keeps 2 x `pipeline` - 1 microbatches' saved layer inputs, GPipe's all k."""
   m = memory.model_shape(BIG_CONFIG)
   d, c, n_tok = 4096, 2, 2 * 2048
-  a = cm.Assumptions()
-  whole = cm.device_memory(m, "O2", 1, 2048, 2, 8, cm.Layout(data=2), a)
-  piped = cm.device_memory(m, "O2", 1, 2048, 2, 8, cm.Layout(data=2, tensor=2, pipeline=4), a)
+  a = ci.Assumptions()
+  whole = sm.device_memory(m, "O2", 1, 2048, 2, 8, sm.Layout(data=2), a)
+  piped = sm.device_memory(m, "O2", 1, 2048, 2, 8, sm.Layout(data=2, tensor=2, pipeline=4), a)
   # the first stage (embedding, most in flight) or the last (LM head, logits): the larger
   first_params = 8 * (m.layer_kernels / 2 + m.layer_others) + m.embedding
   last_params = 8 * (m.layer_kernels / 2 + m.layer_others) + m.head_kernels
@@ -178,32 +178,32 @@ def test_pipeline_and_tensor_memory_by_hand():
   assert whole.state["master weights"] == 2 * m.params
   saved = 8 * n_tok * d * c  # 8 layers' inputs per microbatch in flight
   working = n_tok * (4 * d + (12 * d + 3 * 2 * 11008) / 2) * c
-  first = cm.activation_bytes(m, 2048, 2, "O2", tensor=2, layers=8, in_flight=7, logits=False)
+  first = sm.activation_bytes(m, 2048, 2, "O2", tensor=2, layers=8, in_flight=7, logits=False)
   assert first == 7 * saved + working
-  last = cm.activation_bytes(m, 2048, 2, "O2", tensor=2, layers=8, in_flight=1)
+  last = sm.activation_bytes(m, 2048, 2, "O2", tensor=2, layers=8, in_flight=1)
   assert last == saved + working + n_tok * 256 * 8  # one microbatch, and the logits
   assert piped.backward["activations"] in (first, last)
-  gpipe = cm.device_memory(m, "O2", 1, 2048, 2, 8, cm.Layout(2, 2, 4, "gpipe"), a)
+  gpipe = sm.device_memory(m, "O2", 1, 2048, 2, 8, sm.Layout(2, 2, 4, "gpipe"), a)
   assert gpipe.backward["activations"] == 8 * saved + working  # all 8 microbatches
   # without a pipeline the schedule does not matter: one microbatch at a time
-  assert cm.device_memory(m, "O2", 1, 2048, 2, 8, cm.Layout(2, 2, 1, "gpipe"), a) == \
-      cm.device_memory(m, "O2", 1, 2048, 2, 8, cm.Layout(2, 2, 1), a)
+  assert sm.device_memory(m, "O2", 1, 2048, 2, 8, sm.Layout(2, 2, 1, "gpipe"), a) == \
+      sm.device_memory(m, "O2", 1, 2048, 2, 8, sm.Layout(2, 2, 1), a)
   assert piped.peak < whole.peak / 4
 
 
 def test_o2_needs_less_memory_and_allows_larger_microbatch():
-  a = cm.Assumptions()
-  o0 = cm.device_memory(BIG, "O0", 3, 2048, 1, layout=cm.Layout(data=4), a=a)
-  o2 = cm.device_memory(BIG, "O2", 3, 2048, 1, layout=cm.Layout(data=4), a=a)
+  a = ci.Assumptions()
+  o0 = sm.device_memory(BIG, "O0", 3, 2048, 1, layout=sm.Layout(data=4), a=a)
+  o2 = sm.device_memory(BIG, "O2", 3, 2048, 1, layout=sm.Layout(data=4), a=a)
   assert sum(o2.state.values()) < 0.45 * sum(o0.state.values())
-  m0 = cm.max_microbatch("A100-80GB", BIG, 2048, "O0", 3, 2)
-  m2 = cm.max_microbatch("A100-80GB", BIG, 2048, "O2", 3, 2)
+  m0 = sm.max_microbatch("A100-80GB", BIG, 2048, "O0", 3, 2)
+  m2 = sm.max_microbatch("A100-80GB", BIG, 2048, "O2", 3, 2)
   assert m0 >= 1 and m2 > m0, (m0, m2)
   # at ZeRO-1 over 4 GPUs only O2's state leaves room for a microbatch
-  assert cm.max_microbatch("A100-80GB", BIG, 2048, "O0", 1, 4) == 0
-  assert cm.max_microbatch("A100-80GB", BIG, 2048, "O2", 1, 4) >= 1
+  assert sm.max_microbatch("A100-80GB", BIG, 2048, "O0", 1, 4) == 0
+  assert sm.max_microbatch("A100-80GB", BIG, 2048, "O2", 1, 4) >= 1
   # one H100 cannot hold 7B at O0 without sharding (16 B/param = 104 GB): infeasible, no crash
-  assert cm.max_microbatch("H100-SXM", BIG, 2048, "O0", 0, 1) == 0
+  assert sm.max_microbatch("H100-SXM", BIG, 2048, "O0", 0, 1) == 0
   pred = cm.predict(cm.parse_cluster("1xH100-SXM"), BIG, 2048, 8, "O0", 0)
   assert not pred.uniform.feasible and not pred.balanced.feasible and pred.speedup is None
   assert "does not fit" in pred.balanced.reason and "H100-SXM" in pred.balanced.reason
@@ -211,7 +211,7 @@ def test_o2_needs_less_memory_and_allows_larger_microbatch():
 
 def test_zero3_needs_less_memory_than_zero1():
   for level in ("O0", "O2", "O3"):
-    z1, z3 = (cm.device_memory(BIG, level, z, 2048, 1, layout=cm.Layout(data=16)).peak
+    z1, z3 = (sm.device_memory(BIG, level, z, 2048, 1, layout=sm.Layout(data=16)).peak
               for z in (1, 3))
     assert z3 < 0.5 * z1, level
   c = cm.parse_cluster(MIXED)
@@ -230,7 +230,7 @@ def test_comm_bytes_gradients_are_f32_unless_fp8_and_stage3_gathers_e4m3():
     assert o0 == o2 == 4 * fp8  # the step reduces f32 gradients; E4M3 on request
   assert cm.comm_bytes("O0", 0, kernels, others, 1, False) == {"grad all-reduce": 2 * 4 * p}
   with pytest.raises(ValueError, match="grad_comm='bf16' is not allowed"):
-    cm.grad_comm_bytes("O2", "bf16")
+    ci.grad_comm_bytes("O2", "bf16")
   # ZeRO-3, uniform step: per microbatch each layer's weights gathered forward and backward
   # (E4M3 kernels) and its gradients reduce-scattered. Balanced (per-group counts,
   # layer-major): the same collectives once per step, whatever the microbatch counts.
@@ -280,7 +280,7 @@ def test_mixed_cluster_balanced_is_faster_and_a100_runs_fp8_emulated():
   o2 = cm.predict(cm.parse_cluster(MIXED), BIG, 2048, 256, "O2", 1, microbatch=4)
   ratio = lambda k: o2.uniform.microbatch_seconds[k] / o0.uniform.microbatch_seconds[k]
   # The token-proportional part scales by the level's factor, the per-microbatch overhead not.
-  a = cm.Assumptions()
+  a = ci.Assumptions()
   for kind, factor in [("A100-80GB", a.emulated_fp8_overhead), ("H100-SXM", 1 / 1.36)]:
     overhead = a.microbatch_overhead_s_per_param * matmul_param_count(BIG_CONFIG) * 4.8e12 / \
         hardware.gpu_spec(kind).hbm_bw
@@ -323,7 +323,7 @@ def test_idle_gpus_are_marked_and_hold_their_state_only():
   bal = p.balanced
   assert bal.feasible and bal.idle == ("A100-80GB",)
   assert bal.counts[:8] == (0,) * 8 and sum(bal.counts) == 8
-  used = cm.device_memory(MID, "O2", 1, 2048, bal.microbatch, 1, cm.Layout(data=16),
+  used = sm.device_memory(MID, "O2", 1, 2048, bal.microbatch, 1, sm.Layout(data=16),
                           emulated=True, local_grads=True)
   # an idle GPU holds its state, its (zero) gradient accumulator and decoded weights, and
   # takes part in the update; no activations
@@ -331,8 +331,8 @@ def test_idle_gpus_are_marked_and_hold_their_state_only():
   assert bal.memory["A100-80GB"] == pytest.approx(
       sum(used.state.values()) + max(sum(used.update.values()), held))
   assert bal.memory["A100-80GB"] < bal.memory["H100-SXM"]
-  assert bal.memory["H100-SXM"] == pytest.approx(cm.device_memory(
-      MID, "O2", 1, 2048, bal.microbatch, 1, cm.Layout(data=16), local_grads=True).peak)
+  assert bal.memory["H100-SXM"] == pytest.approx(sm.device_memory(
+      MID, "O2", 1, 2048, bal.microbatch, 1, sm.Layout(data=16), local_grads=True).peak)
   table = cm.format_table([p])
   assert "A100-80GB:0 (idle) H100-SXM:1" in table and "(idle): GPUs of that kind" in table
   busy = cm.predict(cm.parse_cluster(MIXED), MID, 2048, 256, "O0", 1)
@@ -394,7 +394,7 @@ def test_bad_arguments_name_the_value():
   with pytest.raises(ValueError, match="microbatch=3"):
     cm.predict(c, BIG, 2048, 64, "O2", 1, microbatch=3)
   with pytest.raises(ValueError, match="overlap=1.5"):
-    cm.predict(c, BIG, 2048, 64, "O2", 1, assumptions=cm.Assumptions(overlap=1.5))
+    cm.predict(c, BIG, 2048, 64, "O2", 1, assumptions=ci.Assumptions(overlap=1.5))
   with pytest.raises(ValueError, match=r"attention_impl='flash' is not allowed; use one of "
                      r"\['cudnn', 'xla'\]"):
     dataclasses.replace(BIG, attention_impl="flash")

@@ -4,7 +4,7 @@ import os
 import pytest
 
 from fp8jax import cli
-from fp8jax.parallel import cost_model as cm
+from fp8jax.parallel import cost_inputs as ci, cost_model as cm, step_memory as sm
 from fp8jax.parallel import sizing
 from fp8jax.train import memory
 
@@ -16,7 +16,7 @@ H100 = cm.GPU_SPECS["H100-SXM"]
 
 def _microbatch_seconds(m: int, tensor: int = 1, pipe: int = 1) -> float:
   """One microbatch of m sequences on one GPU at O3, by hand (cost_model's docstring)."""
-  a = cm.Assumptions()
+  a = ci.Assumptions()
   flops = M7.flops_per_token(SEQ) * m * SEQ
   compute = flops / (989e12 * a.bf16_mfu) / a.fp8_speedup_large  # d_model 4096: 1.36x
   overhead = a.microbatch_overhead_s_per_param * M7.matmul_params * 4.8e12 / 3.35e12
@@ -36,8 +36,8 @@ def test_table_models_are_the_named_llama_shapes():
 
 def test_one_row_by_hand_7b_zero3_on_64_h100s():
   """7B, O3, ZeRO-3 over 64 data-parallel H100s, 16 sequences per GPU in one microbatch."""
-  s = sizing.layout_step(M7, "H100-SXM", "O3", 3, cm.Layout(data=64), SEQ, BATCH, 16)
-  a = cm.Assumptions()
+  s = sizing.layout_step(M7, "H100-SXM", "O3", 3, sm.Layout(data=64), SEQ, BATCH, 16)
+  a = ci.Assumptions()
   p, kernels, others = M7.params, M7.kernel_params, M7.other_params
   n, d = 16 * SEQ, 4096
   # memory: O3 persistent 5 B/param / 64; the backward holds f32 gradient and BF16 decoded
@@ -66,23 +66,23 @@ def test_tensor_and_pipeline_terms_by_hand():
   """tensor 2 x pipeline 4 x data 16 (128 GPUs), 4 sequences per microbatch, k = 16: the
   lockstep 1F1B's bubble is 2 x 3 microbatches (GPipe's 3), tensor all-reduces run over
   NVLink, pipeline sends between nodes."""
-  s = sizing.layout_step(M7, "H100-SXM", "O3", 1, cm.Layout(16, 2, 4), SEQ, BATCH, 4)
+  s = sizing.layout_step(M7, "H100-SXM", "O3", 1, sm.Layout(16, 2, 4), SEQ, BATCH, 4)
   t = _microbatch_seconds(4, tensor=2, pipe=4)
   act = 4 * SEQ * 4096 * 2  # one microbatch's activations between layers, BF16
   assert s.microbatches == 16
   assert s.compute_s == pytest.approx(16 * t) and s.bubble_s == pytest.approx(6 * t)
   assert s.bubble_s / (s.compute_s + s.bubble_s) == pytest.approx(6 / (16 + 6))
-  g = sizing.layout_step(M7, "H100-SXM", "O3", 1, cm.Layout(16, 2, 4, "gpipe"), SEQ, BATCH, 4)
+  g = sizing.layout_step(M7, "H100-SXM", "O3", 1, sm.Layout(16, 2, 4, "gpipe"), SEQ, BATCH, 4)
   assert g.bubble_s == pytest.approx(3 * t)
   # 8 layers per stage x 6 all-reduces (remat) x 2 (T-1)/T x act over NVLink 450 GB/s
   assert s.tensor_comm_s == pytest.approx(16 * 8 * 6 * 2 * 0.5 * act / (450e9 * 0.8))
   assert s.pipeline_comm_s == pytest.approx(16 * 2 * act / (50e9 * 0.8))
-  first = cm.device_memory(M7, "O3", 1, SEQ, 4, 16, cm.Layout(16, 2, 4))
+  first = sm.device_memory(M7, "O3", 1, SEQ, 4, 16, sm.Layout(16, 2, 4))
   assert s.memory == first
   # the first stage of the lockstep 1F1B holds 2P - 1 = 7 microbatches' saved layer inputs
-  assert cm.activation_bytes(M7, SEQ, 4, "O3", 2, 8, 7, False) - cm.activation_bytes(
+  assert sm.activation_bytes(M7, SEQ, 4, "O3", 2, 8, 7, False) - sm.activation_bytes(
       M7, SEQ, 4, "O3", 2, 8, 1, False) == 6 * 8 * act
-  assert first.backward["activations"] == cm.activation_bytes(M7, SEQ, 4, "O3", 2, 8, 7, False)
+  assert first.backward["activations"] == sm.activation_bytes(M7, SEQ, 4, "O3", 2, 8, 7, False)
 
 
 def test_best_layout_is_the_fastest_that_fits_else_the_smallest():
@@ -103,15 +103,15 @@ def test_best_layout_is_the_fastest_that_fits_else_the_smallest():
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda: sizing.layout_step(M7, "H100-SXM", "O3", 3, cm.Layout(data=64), SEQ, BATCH, 3),
+    (lambda: sizing.layout_step(M7, "H100-SXM", "O3", 3, sm.Layout(data=64), SEQ, BATCH, 3),
      "global batch 1024 does not split into microbatches of 3 over 64"),
-    (lambda: sizing.layout_step(M7, "H100-SXM", "O3", 3, cm.Layout(1, 3, 1), SEQ, BATCH, 1),
+    (lambda: sizing.layout_step(M7, "H100-SXM", "O3", 3, sm.Layout(1, 3, 1), SEQ, BATCH, 1),
      "tensor=3 does not divide d_model=4096"),
-    (lambda: sizing.layout_step(M7, "H100-SXM", "O3", 3, cm.Layout(1, 1, 64), SEQ, BATCH, 1),
+    (lambda: sizing.layout_step(M7, "H100-SXM", "O3", 3, sm.Layout(1, 1, 64), SEQ, BATCH, 1),
      "pipeline=64 is not allowed for 32 layers"),
-    (lambda: cm.Layout(data=0).check(), r"Layout.data=0 is not allowed"),
-    (lambda: cm.Layout(schedule="zb").check(), r"Layout.schedule='zb' is not allowed"),
-    (lambda: sizing.layout_step(M7, "T4", "O3", 3, cm.Layout(data=8), SEQ, BATCH, 1),
+    (lambda: sm.Layout(data=0).check(), r"Layout.data=0 is not allowed"),
+    (lambda: sm.Layout(schedule="zb").check(), r"Layout.schedule='zb' is not allowed"),
+    (lambda: sizing.layout_step(M7, "T4", "O3", 3, sm.Layout(data=8), SEQ, BATCH, 1),
      "unknown GPU kind 'T4'"),
     (lambda: sizing.gpu_counts("8,x"), r"GPU count 'x' in '8,x' is not allowed"),
     (lambda: sizing.best_layout(M7, "H100-SXM", 3, "O3", SEQ, 1024),
