@@ -160,14 +160,14 @@ PHASES = ("train step", "evaluation", "FP8 probe")
 
 
 def phase_bytes(config, remat_policy: str, attention_impl: str, devices: int = 1,
-                emulated: bool = False, assumptions: cm.Assumptions = cm.Assumptions()
+                emulated: bool = False, assumptions: ci.Assumptions = ci.Assumptions()
                 ) -> dict[str, float]:
   """Estimated peak bytes per device of each phase of a run of `config` (:data:`PHASES`;
   arguments as for :func:`step_memory`):
 
   * train step: :func:`step_bytes`;
   * evaluation: the state, the step's decoded and gathered weights, and one microbatch's
-    forward (one layer's working set and the f32 logits, ``cost_model.activation_bytes``
+    forward (one layer's working set and the f32 logits, ``fp8jax.parallel.step_memory.activation_bytes``
     of no saved layers);
   * FP8 probe (cast health and the calibration pass; levels with FP8 GEMMs): the state, the
     step's weights and its activations, without the gradients, their accumulator and the
@@ -181,7 +181,7 @@ def phase_bytes(config, remat_policy: str, attention_impl: str, devices: int = 1
   weights = sum(b.get(k, 0.0) for k in ("decoded weights", "gathered weights",
                                         "gathered model", "widened FP8 weight"))
   shape = model_shape(config.model, remat_policy, attention_impl)
-  forward = cm.activation_bytes(shape, config.data.seq_len, device_sequences(config, devices),
+  forward = sm.activation_bytes(shape, config.data.seq_len, device_sequences(config, devices),
                                 config.level().name, config.parallel.tensor_parallel_size,
                                 layers=0)
   out = {"train step": float(mem.peak), "evaluation": state + weights + forward}
@@ -191,7 +191,7 @@ def phase_bytes(config, remat_policy: str, attention_impl: str, devices: int = 1
 
 
 def run_bytes(config, remat_policy: str, attention_impl: str, devices: int = 1,
-              emulated: bool = False, assumptions: cm.Assumptions = cm.Assumptions()
+              emulated: bool = False, assumptions: ci.Assumptions = ci.Assumptions()
               ) -> float:
   """Estimated peak bytes per device of a run of `config`: the largest of
   :func:`phase_bytes` (same arguments)."""
