@@ -2,8 +2,9 @@
 ``checkpoint``, ``runtime``) and the train section's ``batch_ramp``: one frozen dataclass each,
 its keys with their defaults and value rules, and the checks that involve several keys of one
 section. The ``model`` and ``fp8`` sections mirror the objects they configure
-(``fp8jax.models.gpt.ModelConfig``, ``fp8jax.Recipe``; see :func:`fp8jax.config.validation._mirror`).
-Rules across sections are :class:`fp8jax.config.cross_section.Config`'s.
+(``fp8jax.models.gpt.ModelConfig``, ``fp8jax.Recipe``; see
+:func:`fp8jax.config.validation._mirror`). Rules across sections are
+:class:`fp8jax.config.cross_section.Config`'s.
 """
 from __future__ import annotations
 
