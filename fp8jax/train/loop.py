@@ -90,7 +90,7 @@ class Trainer:
         self.state = load_params(self.state, pretrained, self.level, self.plan.state.params)
     self.group_seconds = self._group_seconds()  # None: uniform split (no device_map)
     self._fused_update = build.fused_update_fn(config, self.schedule, self.plan)
-    self._use_model(self.level.recipe, calibrate=build.calibration_on(config))
+    self._build_programs(self.level.recipe, calibrate=build.calibration_on(config))
     self.run_dir = config.runtime.run_path
     self.flops_per_token = self.run_model.flops_per_token
     self.fp8_peak = self.level.fp8_gemms and native_fp8_reason() is None
@@ -101,17 +101,18 @@ class Trainer:
     self.watchdog = guards.DivergenceWatchdog(
         r.divergence_check_every if self.level.fp8_gemms else 0, r.divergence_threshold)
     self.fallback_reason: str | None = None
-    self._unread: list[tuple[int, dict]] = []  # (step, metrics) the host has not read yet
-    self._bf16_loss = Bf16Loss(self.run_model.at(None), t.microbatch_size,
+    # (step, metrics) of the steps whose skip flags and losses the guards have not read yet
+    self._unchecked_metrics: list[tuple[int, dict]] = []
+    self._bf16_loss = Bf16Loss(self.run_model.for_recipe(None), t.microbatch_size,
                                build.matrix_dtype(config))
     self.writer: metrics_lib.MetricWriter | metrics_lib.NullWriter = metrics_lib.NullWriter()
 
-  def _use_model(self, recipe, calibrate: bool) -> None:
+  def _build_programs(self, recipe, calibrate: bool) -> None:
     """Builds what runs the model with `recipe`'s GEMMs (None: BF16): the calibration
     (``fp8.calibrate``), the train steps, the evaluation step and the FP8 probe (cast health
     and calibration pass), all on the train step's memory plan."""
-    first = self.run_model.at(recipe)
-    steady = self.run_model.at(recipe.replace(calibrated=True)) if calibrate else None
+    first = self.run_model.for_recipe(recipe)
+    steady = self.run_model.for_recipe(recipe.replace(calibrated=True)) if calibrate else None
     self.calibration = Calibration(first, steady)
     self.steps = build.StepCache(
         self.config, self.tx, self.plan, self._fused_update,
@@ -164,7 +165,7 @@ class Trainer:
     """Steps `start`..train.steps-1, each followed by what is due after it (:meth:`_due`);
     returns the final metrics (with ``preempted_at`` and ``stopped_by`` when a signal stopped
     the run)."""
-    final, window = {}, _Window()
+    final, window = {}, _LogWindow()
     with self._loop_context(start) as (bar, preemption, heartbeat):
       for step in range(start, self.config.train.steps):
         batch = self.next_batch(step)
@@ -253,7 +254,7 @@ class Trainer:
     self.state, metrics = self.step_fn(self.config.microbatches_at(step))(self.state, batch)
     self._phase = oom.STEP  # (reading the step's results)
     heartbeat.beat()
-    self._unread.append((step, metrics))
+    self._unchecked_metrics.append((step, metrics))
     return metrics
 
   def _due(self, step: int, stop: bool, watchdog: bool) -> "_Due":
@@ -273,12 +274,12 @@ class Trainer:
     t = self.config.train
     return self.health_on and ((step + 1) % t.fp8_health_every == 0 or step + 1 == t.steps)
 
-  def _record_ramp(self, step: int, window: "_Window") -> None:
+  def _record_ramp(self, step: int, window: "_LogWindow") -> None:
     """Writes the batch ramp's batch of step `step` (steps that do not log)."""
     self.writer.write(step + 1, {"batch_tokens": window.last_tokens,
                                  "tokens_seen": self.config.tokens_seen(step + 1)})
 
-  def _evaluate_and_record(self, step: int, window: "_Window") -> float:
+  def _evaluate_and_record(self, step: int, window: "_LogWindow") -> float:
     """The validation loss after step `step`, written to the logs; the log window's clock
     restarts after it (evaluation is not training time)."""
     self._phase = oom.EVAL
@@ -401,7 +402,7 @@ class Trainer:
     if primary and absent:
       print(f"fp8jax train: {metrics_lib.describe_absent(absent)}")
 
-  def _log_window(self, step: int, window: "_Window", last_metrics: dict) -> dict:
+  def _log_window(self, step: int, window: "_LogWindow", last_metrics: dict) -> dict:
     """Writes and returns the metrics of the log window ending with step `step`; `window`
     then starts the next window."""
     losses = [float(x) for x in window.losses]  # waits for the device
@@ -559,7 +560,7 @@ class Trainer:
     """Reads the steps run since the last read, up to `step`: skip accounting (a reload after
     K in a row) and, with `bf16_loss` (a watchdog step), the divergence check of `step`."""
     skipped, metrics = False, None
-    for done, metrics in self._unread:
+    for done, metrics in self._unchecked_metrics:
       skipped = bool(metrics["skipped"])
       if skipped:
         logger.warning("step %d skipped: non-finite loss or gradients (%d skipped so far)",
@@ -569,7 +570,7 @@ class Trainer:
         self.writer.write(done + 1, {"skipped_steps": self.skips.total})
       if reload:
         self._reload_after_skips(step)  # continues after the newest step
-    self._unread = []
+    self._unchecked_metrics = []
     if bf16_loss is not None and metrics is not None and not skipped:
       reason = self.watchdog.check(step, float(metrics["loss"]), float(bf16_loss))
       if reason is not None:
@@ -593,7 +594,7 @@ class Trainer:
     self.fallback_reason = reason
     self.state = self.state._replace(fp8={})
     self.plan = dataclasses.replace(self.plan, state=self.plan.state._replace(fp8={}))
-    self._use_model(None, calibrate=False)
+    self._build_programs(None, calibrate=False)
     self.watchdog = guards.DivergenceWatchdog(0)
     self.fp8_peak = False
     if record:
@@ -613,7 +614,7 @@ class _Due:
   evaluate: bool  # the validation loss
 
 
-class _Window:
+class _LogWindow:
   """Losses, FP8 grad-comm scaling records, tokens and seconds of one log window."""
 
   def __init__(self):

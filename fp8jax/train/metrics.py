@@ -9,8 +9,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from fp8jax.gemm_weights import leaf_name
 from fp8jax.hardware import peak_flops
-from fp8jax.params import leaf_name
 from fp8jax.scaling import Fp8Meta, fp8_max
 
 
