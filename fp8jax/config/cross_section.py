@@ -17,6 +17,7 @@ from fp8jax.config.validation import _Section, _fail, _levels, _short
 from fp8jax.data import BYTE_VOCAB
 from fp8jax.models.family import FAMILIES, family as model_family
 from fp8jax.parallel import layout_rules
+from fp8jax.parallel.collectives import GROWTH_INTERVAL
 from fp8jax.parallel.layout_rules import Layout
 from fp8jax.recipe import OptLevel
 
@@ -26,8 +27,6 @@ from fp8jax.recipe import OptLevel
 NOT_BUILT_YET = (
     ("model.dropout_rate", (0.0, 0), "dropout RNG plumbing in the train step"),
 )
-
-GRAD_COMM_GROWTH_INTERVAL = 1000  # FP8-LM: clean steps before the comm pre-scale doubles
 
 
 @functools.cache
@@ -138,9 +137,10 @@ class Config(_Section):
     return "fp8" if self.parallel.grad_comm == "fp8" else "native"
 
   def grad_comm_growth_interval(self) -> int:
-    """Clean steps before automatic scaling doubles the pre-scale (default 1000, FP8-LM's)."""
+    """Clean steps before automatic scaling doubles the pre-scale (default FP8-LM's,
+    ``fp8jax.parallel.collectives.GROWTH_INTERVAL``)."""
     g = self.parallel.grad_comm_growth_interval
-    return GRAD_COMM_GROWTH_INTERVAL if g is None else g
+    return GROWTH_INTERVAL if g is None else g
 
   def _check_grad_comm(self):
     p = self.parallel

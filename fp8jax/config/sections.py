@@ -288,8 +288,9 @@ class ParallelSection(_Section):
   grad_comm: str = _field("auto", _one_of("auto", "fp8", "native"))
   # Scale of the FP8 gradient wire: "current" (this step's amax, nothing saturates) or "auto"
   # (FP8-LM automatic scaling: previous amax / pre-scale, the pre-scale halved above 0.001%
-  # saturated values and doubled after `grad_comm_growth_interval` clean steps, default 1000;
-  # the state is part of the train state and its checkpoints).
+  # saturated values and doubled after `grad_comm_growth_interval` clean steps, default
+  # fp8jax.parallel.collectives.GROWTH_INTERVAL; the state is part of the train state and its
+  # checkpoints).
   grad_comm_scaling: str = _field("current", _one_of("current", "auto"))
   grad_comm_growth_interval: int | None = _field(None, _ge(1))
 

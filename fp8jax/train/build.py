@@ -14,12 +14,12 @@ import jax.numpy as jnp
 from fp8jax import linen, parallel, xla_env
 from fp8jax.dot import native_fp8_reason
 from fp8jax.parallel.tensor import GPT_RULES
-from fp8jax.hardware import DeviceReport, device_reason, gpu_spec
+from fp8jax.hardware import DeviceReport, GiB, device_reason, gpu_spec
 from fp8jax.models.layers import AUTO, cudnn_attention_reason
 from fp8jax.parallel.capability import gather_reports
 from fp8jax.parallel.zero import ZeroPlan
 from fp8jax.train.evaluation import EvalStep, Probe, build_eval_step, build_probe
-from fp8jax.train.memory import GiB, run_bytes
+from fp8jax.train.memory import run_bytes
 from fp8jax.train.optimizer import make_fused_update, make_optimizer, schedule_for
 from fp8jax.train.model import RunModel
 from fp8jax.train.step import GroupLoop, PipelineLoop, TrainStep, UniformLoop, build_step

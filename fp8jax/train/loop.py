@@ -34,7 +34,6 @@ from fp8jax import data as data_lib
 from fp8jax import optim as fp8_optim
 from fp8jax.config import Config, save_config
 from fp8jax.dot import native_fp8_reason
-from fp8jax.models.layers import param_count
 from fp8jax.parallel import balance, capability, layout, pipeline
 from fp8jax.parallel import device_map as device_map_lib
 from fp8jax.train import build, guards, oom
@@ -77,7 +76,6 @@ class Trainer:
                                    cache_dir=d.cache_dir, progress=None if progress else False)
     self.train_batches = self.data.batches("train", t.microbatch_size, d.seq_len, seed=d.seed)
     self.capability = capability.agree(config.parallel.fp8_capability)
-    self.grad_comm = config.grad_comm()  # "fp8" or "native"
     init = state_init_fn(model, self.tx, self.level, t.microbatch_size, d.seq_len, t.seed,
                          comm_scaling=config.parallel.grad_comm_scaling == "auto")
     self.plan = build.zero_plan(config, jax.eval_shape(init), self.run_model.tensor_rules)
@@ -359,7 +357,7 @@ class Trainer:
 
   def _print_start(self, start: int, primary: bool) -> None:
     t = self.config.train
-    n = param_count(jax.eval_shape(self.state.model_params))  # (nothing decoded)
+    n = fp8_optim.num_params(jax.eval_shape(self.state.model_params))  # (nothing decoded)
     state_bytes = fp8_optim.tree_bytes((self.state.params, self.state.opt_state)) / n
     if jax.process_count() > 1:
       print(f"fp8jax train: process {jax.process_index()} of {jax.process_count()}")

@@ -34,7 +34,6 @@ import numpy as np
 from fp8jax.models.family import family_of
 from fp8jax.parallel import cost_model as cm
 
-GiB = 2**30
 REMAT_POLICIES = cm.REMAT_POLICIES
 ATTENTION_IMPLS = cm.ATTENTION_IMPLS
 
