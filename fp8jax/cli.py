@@ -184,6 +184,7 @@ def cmd_train(args) -> int:
 def cmd_profile(args) -> int:
   import jax
   from fp8jax.config import load_config
+  from fp8jax.hardware import GiB
   from fp8jax.parallel import profile
   from fp8jax.train.profile import measure
   if jax.process_count() > 1:
@@ -193,7 +194,7 @@ def cmd_profile(args) -> int:
   config = load_config(_config_path(args.config), args.set)
   sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else \
       [2**i for i in range(8) if 2**i <= config.train.microbatch_size * 4]
-  limit = None if args.memory_limit_gib is None else int(args.memory_limit_gib * 2**30)
+  limit = None if args.memory_limit_gib is None else int(args.memory_limit_gib * GiB)
   data = measure(config, sizes, steps=args.steps, memory_limit_bytes=limit)
   path = profile.write(data, args.out or profile.default_path(data))
   print(profile.table(data))
@@ -337,7 +338,7 @@ def simulate_table(args) -> str:
   """The text `fp8jax simulate --table` prints: for each model, GPU count and level the
   fastest layout that fits (:func:`fp8jax.parallel.sizing.best_layout`), with the models'
   shapes and the assumptions."""
-  from fp8jax.hardware import gpu_spec
+  from fp8jax.hardware import GiB, gpu_spec
   from fp8jax.parallel import sizing
   from fp8jax.train.memory import model_shape
   kind = gpu_spec(args.kind).name
@@ -349,7 +350,7 @@ def simulate_table(args) -> str:
   counts = sizing.gpu_counts(args.gpus)
   stages = _stages(args.zero)
   lines = [f"fp8jax simulate: per-GPU memory and step time on {', '.join(map(str, counts))} x "
-           f"{kind} ({gpu_spec(kind).hbm_bytes / 2**30:.1f} GiB); for each model, GPU count "
+           f"{kind} ({gpu_spec(kind).hbm_bytes / GiB:.1f} GiB); for each model, GPU count "
            "and level the fastest setting that fits, else the one needing the least memory "
            "(ZeRO stages tried: " + ", ".join(map(str, stages)) + "); predictions, not "
            "measurements"]

@@ -47,8 +47,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from fp8jax.gemm_weights import is_gemm_weight, leaf_name
 from fp8jax.optim.scaled import quantize_scaled
-from fp8jax.params import is_gemm_weight, leaf_name
 
 # (key path as jax.tree_util.keystr, shape) -> (home spec, gathered spec)
 Specs = Callable[[str, tuple], tuple[P, P]]

@@ -27,7 +27,7 @@ from typing import NamedTuple, Sequence
 
 import jax
 
-MiB = 2**20
+MiB, GiB = 2**20, 2**30
 
 # ----------------------------------------------------------------------------- kinds and tables
 

@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fp8jax.hardware import GiB
+
 FP8_GEMM = "__cublas$lt$matmul$f8"  # XLA's custom call for a cuBLASLt FP8 GEMM
 
 
@@ -64,7 +66,7 @@ def memory_gib(compiled) -> dict[str, float | None]:
   size = lambda name: getattr(mem, name, 0) or 0  # noqa: E731
   total = (size("argument_size_in_bytes") + size("output_size_in_bytes")
            - size("alias_size_in_bytes") + size("temp_size_in_bytes"))
-  return {"temp": size("temp_size_in_bytes") / 2**30, "total": total / 2**30}
+  return {"temp": size("temp_size_in_bytes") / GiB, "total": total / GiB}
 
 
 def custom_calls(hlo_text: str) -> dict[str, int]:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from fp8jax.models import gpt, layers, llama
+from fp8jax.models import gpt, llama
+from fp8jax.optim import num_params
 from fp8jax.parallel.layout_rules import tensor_message
 from fp8jax.parallel.tensor import GPT_RULES, Rule
 
@@ -65,10 +66,10 @@ def _gpt_tensor_splits(config: gpt.ModelConfig) -> tuple[tuple[str, int], ...]:
 
 FAMILIES: dict[str, Family] = {
     "gpt": Family("gpt", gpt.ModelConfig, gpt.GPT, gpt.init_model, gpt.flops_per_token,
-                  gpt.matmul_param_count, layers.param_count, GPT_RULES,
+                  gpt.matmul_param_count, num_params, GPT_RULES,
                   _gpt_tensor_splits),
     "llama": Family("llama", llama.LlamaConfig, llama.Llama, llama.init_model,
-                    llama.flops_per_token, llama.matmul_param_count, layers.param_count,
+                    llama.flops_per_token, llama.matmul_param_count, num_params,
                     llama.LLAMA_RULES, llama.tensor_splits),
 }
 

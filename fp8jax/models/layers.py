@@ -656,11 +656,6 @@ def next_token_loss(logits, targets):
   return -jnp.mean(jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1))
 
 
-def param_count(params) -> int:
-  """Number of parameter scalars in `params` (pass ``variables["params"]``)."""
-  return int(sum(np.prod(np.shape(a), dtype=np.int64) for a in jax.tree.leaves(params)))
-
-
 def attention_flops_per_token(config, seq_len: int) -> float:
   """Training FLOPs per token of the attention's QK^T and AV (forward + backward):
   ``12 * n_layers * n_heads * head_dim * seq_len``, the full T x T square (PaLM's convention,

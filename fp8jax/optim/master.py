@@ -40,13 +40,13 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
+from fp8jax.gemm_weights import is_gemm_weight
 from fp8jax.kernels.rounding import hash32
 from fp8jax.optim.finite import all_finite
 from fp8jax.optim.rounding import stochastic_round
 from fp8jax.optim.scaled import (ScaledArray, amaxes, check_float_dtype, check_real,
                                  dequantize_scaled, is_scaled, payload_max, quantize_with_scale,
                                  scale_from_bound)
-from fp8jax.params import is_gemm_weight
 
 ROUNDINGS = ("stochastic", "nearest")
 GROWTH = 16.0  # headroom of the write scale over the amax after the previous update
@@ -103,7 +103,7 @@ def init_master(params, dtype=jnp.float16, *, axis_names: Sequence[str] = ()) ->
 
 def master_params(master: MasterWeights, dtype=jnp.float32, *, matrix_dtype=None):
   """The params the model computes from: master weights dequantized to `dtype`, and the GEMM
-  weights (leaves named ``kernel`` or ``embedding``, :mod:`fp8jax.params`) to `matrix_dtype`
+  weights (leaves named ``kernel`` or ``embedding``, :mod:`fp8jax.gemm_weights`) to `matrix_dtype`
   when given (e.g. BF16 for a model that computes its GEMMs in BF16: the same values reach
   them, and the copy and its gradient take half the bytes)."""
   def decode(path, x):

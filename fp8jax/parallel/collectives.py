@@ -47,6 +47,7 @@ AxisName = Union[str, Sequence[str]]
 
 FP8_DTYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 SATURATION_THRESHOLD = 1e-5  # FP8-LM: halve the pre-scale above 0.001% saturated values
+GROWTH_INTERVAL = 1000  # FP8-LM: clean steps before the pre-scale doubles
 
 
 class CommStats(NamedTuple):
@@ -337,7 +338,7 @@ def comm_scales(state: CommScaling, dtype=jnp.float8_e4m3fn, margin: float = 0.0
 
 
 def update_comm_scaling(state: CommScaling, stats: CommStats, *,
-                        threshold: float = SATURATION_THRESHOLD, growth_interval: int = 1000,
+                        threshold: float = SATURATION_THRESHOLD, growth_interval: int = GROWTH_INTERVAL,
                         growth_factor: float = 2.0, backoff_factor: float = 0.5,
                         max_pre_scale: float = 1.0, min_pre_scale: float = 2.0 ** -24
                         ) -> CommScaling:

@@ -24,14 +24,13 @@ import os
 import re
 from typing import Mapping, NamedTuple, Sequence
 
-from fp8jax.hardware import GPU_SPECS, fp8_native, gpu_spec
+from fp8jax.hardware import GPU_SPECS, GiB, fp8_native, gpu_spec
 from fp8jax.parallel import profile as profile_lib
 from fp8jax.parallel.balance import KindProfile, balance_counts, makespan, uniform_counts
 from fp8jax.parallel.cost_inputs import Assumptions, ModelShape, _check_level, _check_stage, \
     _level, gather_bytes, grad_comm_bytes, master_bytes, optimizer_bytes_per_param
 from fp8jax.parallel.step_memory import Layout, device_memory, usable_bytes
 
-GiB = 2**30
 PROFILE_FORMAT = profile_lib.FORMAT
 
 

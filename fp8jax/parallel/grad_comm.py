@@ -26,8 +26,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from fp8jax.parallel.collectives import (CommScaling, fp8_reduce_scatter, fp8_reduce_scatter_auto,
-                                         fp8_reduce_scatter_tree, init_comm_scaling)
+from fp8jax.parallel.collectives import (GROWTH_INTERVAL, CommScaling, fp8_reduce_scatter,
+                                         fp8_reduce_scatter_auto, fp8_reduce_scatter_tree,
+                                         init_comm_scaling)
 
 GRAD_COMM = ("native", "fp8")
 COMM_SCALING = ("current", "auto")
@@ -91,7 +92,7 @@ def fp8_sum_into(g, axes: tuple[str, ...], dim: int):
 
 
 def reduce_over_groups(params, axes: tuple[str, ...], grad_comm: str = "native",
-                       comm: CommScaling | None = None, growth_interval: int = 1000):
+                       comm: CommScaling | None = None, growth_interval: int = GROWTH_INTERVAL):
   """Sums of the per-group gradients `params` over the groups along `axes` (call inside
   ``shard_map``). Returns (reduced tree, new `comm`): full sums for ``"native"``; for ``"fp8"``
   each FP8 leaf's chunk of its :func:`grad_specs` layout, with current scales when `comm` is

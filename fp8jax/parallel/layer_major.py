@@ -41,8 +41,8 @@ from jax import lax
 
 from fp8jax import dot, fsdp
 from fp8jax.accumulate import accumulate_gradients, accumulator_zeros, widen
+from fp8jax.gemm_weights import is_gemm_weight
 from fp8jax.linen import FP8_COLLECTION, WEIGHT_CAST_COLLECTION
-from fp8jax.params import is_gemm_weight
 from fp8jax.parallel.pipeline import Stages
 from fp8jax.recipe import Recipe
 from fp8jax.scaling import Fp8Meta

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 
+from fp8jax.hardware import GiB
 from fp8jax.parallel.balance import KindProfile
 
 FORMAT = "fp8jax-profile/1"
@@ -102,6 +103,6 @@ def table(data: dict) -> str:
   for p in data["points"]:
     ms = "-" if p["seconds"] is None else f"{1e3 * p['seconds']:.1f}"
     tps = "-" if p["tokens_per_s"] is None else f"{p['tokens_per_s']:,.0f}"
-    gib = "-" if p["peak_bytes"] is None else f"{p['peak_bytes'] / 2**30:.2f}"
+    gib = "-" if p["peak_bytes"] is None else f"{p['peak_bytes'] / GiB:.2f}"
     lines.append(f"{p['microbatch']:>10} {ms:>14} {tps:>12} {gib:>9} {p['fits']}")
   return "\n".join(lines)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Iterator, NamedTuple, Sequence
 
-from fp8jax.hardware import fp8_native, gpu_spec
+from fp8jax.hardware import GiB, fp8_native, gpu_spec
 from fp8jax.parallel import cost_inputs as ci, cost_model as cm, step_memory as sm
 from fp8jax.parallel.pipeline import bubble_fraction
 
@@ -215,12 +215,12 @@ def format_rows(rows: Sequence[tuple[str, LayoutStep]], a: ci.Assumptions = ci.A
            "| step s | tokens/s | MFU |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
   for name, s in rows:
-    usable = sm.usable_bytes(s.kind, a) / cm.GiB
+    usable = sm.usable_bytes(s.kind, a) / GiB
     fits = "yes" if s.fits else f"no (> {usable:.0f})"
     lo = s.layout
     lines.append(f"| {name} | {s.gpus} | {s.level} | {s.zero_stage} | {lo.tensor} | "
                  f"{lo.pipeline} | {lo.data} | {s.microbatch} x {s.microbatches} | "
-                 f"{s.memory.peak / cm.GiB:.1f} | {fits} | {s.step_s:.2f} | "
+                 f"{s.memory.peak / GiB:.1f} | {fits} | {s.step_s:.2f} | "
                  f"{s.tokens_per_s:,.0f} | {s.mfu:.3f} |")
   return "\n".join(lines)
 

@@ -14,12 +14,12 @@ import jax.numpy as jnp
 from fp8jax import linen, parallel, xla_env
 from fp8jax.dot import native_fp8_reason
 from fp8jax.parallel.tensor import GPT_RULES
-from fp8jax.hardware import DeviceReport, device_reason, gpu_spec
+from fp8jax.hardware import DeviceReport, GiB, device_reason, gpu_spec
 from fp8jax.models.layers import AUTO, cudnn_attention_reason
 from fp8jax.parallel.capability import gather_reports
 from fp8jax.parallel.zero import ZeroPlan
 from fp8jax.train.evaluation import EvalStep, Probe, build_eval_step, build_probe
-from fp8jax.train.memory import GiB, run_bytes
+from fp8jax.train.memory import run_bytes
 from fp8jax.train.optimizer import make_fused_update, make_optimizer, schedule_for
 from fp8jax.train.model import RunModel
 from fp8jax.train.step import GroupLoop, PipelineLoop, TrainStep, UniformLoop, build_step
@@ -183,7 +183,7 @@ def model_and_optimizer(config, run: RunModel | None = None):
   """(the model at the config's level, learning-rate schedule, optax optimizer with
   clipping); `run`: the config's :func:`run_model` when already built."""
   level, t = config.level(), config.train
-  model = (run or run_model(config)).at(level.recipe)
+  model = (run or run_model(config)).for_recipe(level.recipe)
   schedule = schedule_for(config)
   tx = make_optimizer(schedule, b1=t.b1, b2=t.b2, eps=t.eps, weight_decay=t.weight_decay,
                       clip_norm=t.gradient_clipping, level=level)
@@ -213,7 +213,7 @@ def weight_cast_fn(config, model, microbatches: int) -> Callable | None:
                            dtype=jnp.dtype(model.config.dtype))
 
 
-def _alone(config, processes: int) -> bool:
+def _runs_on_one_device(config, processes: int) -> bool:
   """Whether a run of `config` over `processes` processes uses one device (see
   :func:`run_devices`)."""
   p = config.parallel
@@ -232,14 +232,14 @@ def run_device_count(config, devices: int, processes: int = 1) -> int:
   """How many devices a run of `config` spans when `processes` processes hold `devices`
   devices in all: 1 for a single-process run that asks for no parallelism (see
   :func:`run_devices`), else `devices`."""
-  return 1 if _alone(config, processes) else devices
+  return 1 if _runs_on_one_device(config, processes) else devices
 
 
 def run_devices(config) -> list | None:
   """The devices a run's mesh spans: one (the first) for a single-process run that asks for
   no parallelism (ZeRO stage 0, no sizes set, no device_map, native gradient communication),
   else None: every process's devices."""
-  return jax.devices()[:1] if _alone(config, jax.process_count()) else None
+  return jax.devices()[:1] if _runs_on_one_device(config, jax.process_count()) else None
 
 
 def check_layout(config) -> None:

@@ -20,7 +20,7 @@ from fp8jax.parallel import grad_comm as grad_comm_lib
 from fp8jax.parallel import layer_major as layer_major_lib
 from fp8jax.parallel import layout
 from fp8jax.parallel import pipeline as pipeline_lib
-from fp8jax.parallel.collectives import CommScaling
+from fp8jax.parallel.collectives import GROWTH_INTERVAL, CommScaling
 from fp8jax.parallel.mesh import BATCH_AXES, PIPE, pipe_size
 from fp8jax.parallel.zero import ZeroPlan
 from fp8jax.scaling import combine_max
@@ -70,7 +70,7 @@ class GroupLoop:
   axes: tuple[str, ...] = BATCH_AXES
   grad_comm: str = "native"
   comm_scaling: str = "current"
-  growth_interval: int = 1000
+  growth_interval: int = GROWTH_INTERVAL
   weight_gather: fsdp.WeightGather | None = None
   parts: Any = None
   layer_stacks: tuple[str, ...] = ()

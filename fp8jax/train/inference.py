@@ -159,7 +159,7 @@ class Loaded:
   def module(self, recipe: Recipe | None):
     """The model with FP8 GEMMs of `recipe` (None: BF16)."""
     if self._run is not None:
-      return self._run.at(recipe)
+      return self._run.for_recipe(recipe)
     return family_of(self.model_config).model(self.model_config, recipe)
 
   def at_level(self, level: str | None = None, calibration: Iterable | None = None):

@@ -4,12 +4,18 @@ logs, checkpoints and guards.
 Setup (``Trainer.__init__``): the config's layout checked against the devices
 (``build.check_layout``: one-line refusals before data or compiles), its "auto" model
 settings resolved for the devices (``build.choose_auto``), the config's model and optimizer
-(``fp8jax.train.build``), the agreed FP8 capability of every process, the abstract state (``jax.eval_shape``), its ZeRO plan
-on the config's mesh (one device is a mesh of one), then the state initialised straight into
-its shardings. Every step, whatever the layout, comes from ``build.StepCache`` (one builder:
-``fp8jax.train.step.build_step``); evaluation and the FP8 probe (cast health, calibration
-pass) run on the step's memory plan (``fp8jax.train.evaluation``). :meth:`Trainer.run` is the
-loop; out of device memory in any phase ends it with ``fp8jax.train.oom.OutOfMemory``.
+(``fp8jax.train.build``), the agreed FP8 capability of every process, the abstract state
+(``jax.eval_shape``), its ZeRO plan on the config's mesh (one device is a mesh of one), then
+the state initialised straight into its shardings. Every step, whatever the layout, comes from
+``build.StepCache`` (one builder: ``fp8jax.train.step.build_step``); evaluation and the FP8
+probe (cast health, calibration pass) run on the step's memory plan
+(``fp8jax.train.evaluation``).
+
+:meth:`Trainer.run` starts the run (the run folder claimed, the config saved, a checkpoint
+resumed, the logs opened, the FP8 probe compiled) and runs the loop: each step, then what is
+due after it (``Trainer._due``: the guards' read, the log window, the FP8 health probe, the
+evaluation, the checkpoint, a preemption stop). Out of device memory in any phase ends it with
+``fp8jax.train.oom.OutOfMemory``.
 """
 from __future__ import annotations
 
@@ -28,7 +34,6 @@ from fp8jax import data as data_lib
 from fp8jax import optim as fp8_optim
 from fp8jax.config import Config, save_config
 from fp8jax.dot import native_fp8_reason
-from fp8jax.models.layers import param_count
 from fp8jax.parallel import balance, capability, layout, pipeline
 from fp8jax.parallel import device_map as device_map_lib
 from fp8jax.train import build, guards, oom
@@ -71,7 +76,6 @@ class Trainer:
                                    cache_dir=d.cache_dir, progress=None if progress else False)
     self.train_batches = self.data.batches("train", t.microbatch_size, d.seq_len, seed=d.seed)
     self.capability = capability.agree(config.parallel.fp8_capability)
-    self.grad_comm = config.grad_comm()  # "fp8" or "native"
     init = state_init_fn(model, self.tx, self.level, t.microbatch_size, d.seq_len, t.seed,
                          comm_scaling=config.parallel.grad_comm_scaling == "auto")
     self.plan = build.zero_plan(config, jax.eval_shape(init), self.run_model.tensor_rules)
@@ -84,7 +88,7 @@ class Trainer:
         self.state = load_params(self.state, pretrained, self.level, self.plan.state.params)
     self.group_seconds = self._group_seconds()  # None: uniform split (no device_map)
     self._fused_update = build.fused_update_fn(config, self.schedule, self.plan)
-    self._use_model(self.level.recipe, calibrate=build.calibration_on(config))
+    self._build_programs(self.level.recipe, calibrate=build.calibration_on(config))
     self.run_dir = config.runtime.run_path
     self.flops_per_token = self.run_model.flops_per_token
     self.fp8_peak = self.level.fp8_gemms and native_fp8_reason() is None
@@ -95,17 +99,18 @@ class Trainer:
     self.watchdog = guards.DivergenceWatchdog(
         r.divergence_check_every if self.level.fp8_gemms else 0, r.divergence_threshold)
     self.fallback_reason: str | None = None
-    self._unread: list[tuple[int, dict]] = []  # (step, metrics) the host has not read yet
-    self._bf16_loss = Bf16Loss(self.run_model.at(None), t.microbatch_size,
+    # (step, metrics) of the steps whose skip flags and losses the guards have not read yet
+    self._unchecked_metrics: list[tuple[int, dict]] = []
+    self._bf16_loss = Bf16Loss(self.run_model.for_recipe(None), t.microbatch_size,
                                build.matrix_dtype(config))
     self.writer: metrics_lib.MetricWriter | metrics_lib.NullWriter = metrics_lib.NullWriter()
 
-  def _use_model(self, recipe, calibrate: bool) -> None:
+  def _build_programs(self, recipe, calibrate: bool) -> None:
     """Builds what runs the model with `recipe`'s GEMMs (None: BF16): the calibration
     (``fp8.calibrate``), the train steps, the evaluation step and the FP8 probe (cast health
     and calibration pass), all on the train step's memory plan."""
-    first = self.run_model.at(recipe)
-    steady = self.run_model.at(recipe.replace(calibrated=True)) if calibrate else None
+    first = self.run_model.for_recipe(recipe)
+    steady = self.run_model.for_recipe(recipe.replace(calibrated=True)) if calibrate else None
     self.calibration = Calibration(first, steady)
     self.steps = build.StepCache(
         self.config, self.tx, self.plan, self._fused_update,
@@ -145,10 +150,51 @@ class Trainer:
     state is on disk first (after an evaluation or probe: the state of the steps done; after
     a failed step: the previous checkpoint, pending saves finished)."""
     with self._out_of_memory_diagnosed():
-      return self._run()
+      start = self._start_run()
+      if start >= self.config.train.steps:
+        print(f"fp8jax train: {self.run_dir} already finished {start} of "
+              f"{self.config.train.steps} steps")
+        return {"resumed_from": start}
+      self._open_logs(start)
+      self._warm_up_probe()
+      return self._train(start)
 
-  def _run(self) -> dict:
-    cfg, t = self.config, self.config.train
+  def _train(self, start: int) -> dict:
+    """Steps `start`..train.steps-1, each followed by what is due after it (:meth:`_due`);
+    returns the final metrics (with ``preempted_at`` and ``stopped_by`` when a signal stopped
+    the run)."""
+    final, window = {}, _LogWindow()
+    with self._loop_context(start) as (bar, preemption, heartbeat):
+      for step in range(start, self.config.train.steps):
+        batch = self.next_batch(step)
+        bf16_loss = self._watchdog_loss(step, batch)
+        metrics = self._train_step(step, batch, heartbeat)
+        window.add(metrics, batch)
+        due = self._due(step, preemption.requested, watchdog=bf16_loss is not None)
+        if due.read_guards:
+          self._read_guards(step, bf16_loss)
+        if due.ramp_record:
+          self._record_ramp(step, window)
+        if due.log:
+          final.update(self._log_window(step, window, metrics))
+        if self._health_due(step):
+          self._probe_health(step, batch)
+        if due.evaluate:
+          final["val_loss"] = self._evaluate_and_record(step, window)
+        bar.advance(1, final if due.log else None)
+        if due.save:
+          self._save_checkpoint(step + 1, heartbeat)
+        if due.stop:
+          return self._stop_preempted(step + 1, preemption, final)
+    return self._finish(final)
+
+  # ------------------------------------------------------------------ set-up of a run
+
+  def _start_run(self) -> int:
+    """Claims the run folder (``resume.claim_run_dir``), saves the config there, resumes
+    with ``checkpoint.auto_resume`` (the metrics of the steps after the restored one are
+    dropped: they run again); returns the first step to run."""
+    cfg = self.config
     primary = jax.process_index() == 0  # one process writes logs (all take part in checkpoints)
     claim_run_dir(cfg, self.run_dir, overwrite=self.overwrite, checkpoints=self.checkpoints)
     os.makedirs(self.run_dir, exist_ok=True)
@@ -158,63 +204,98 @@ class Trainer:
     start = self.resume() if cfg.checkpoint.auto_resume else 0
     if cfg.checkpoint.auto_resume and primary:  # steps after the restored one run again
       metrics_lib.drop_records_after(os.path.join(self.run_dir, "metrics.jsonl"), start)
-    if start >= t.steps:
-      print(f"fp8jax train: {self.run_dir} already finished {start} of {t.steps} steps")
-      return {"resumed_from": start}
+    return start
+
+  def _open_logs(self, start: int) -> None:
+    """Opens the metric writer (the first process's; the others write nothing) and prints
+    the run's start lines and the metrics these devices cannot give."""
+    primary = jax.process_index() == 0
     self.writer = metrics_lib.MetricWriter(self.run_dir) if primary else metrics_lib.NullWriter()
     self._print_start(start, primary)
     self._note_absent_metrics(start, primary)
+
+  def _warm_up_probe(self) -> None:
+    """Runs the FP8 health probe once before any timed log window, so that its compile is
+    not counted as training time; not when a calibration pass will run it first (with the
+    step's compile)."""
     calibrating = self._calibrate is not None and self.calibration.wants_pass(self.state.fp8)
-    if self.health_on and not calibrating:  # compiled before any timed window (else the
-      self._phase = oom.PROBE  # calibration pass runs it first, with the step's compile)
-      self._probe(self.state, np.zeros((t.microbatch_size, cfg.data.seq_len + 1), np.int32))
-    final: dict[str, Any] = {}
-    window = _Window()
-    with ProgressBar(t.steps, self.progress) as bar, guards.Preemption() as preemption, \
-        self._heartbeat() as heartbeat:
+    if self.health_on and not calibrating:
+      t = self.config.train
+      self._phase = oom.PROBE
+      self._probe(self.state, np.zeros((t.microbatch_size, self.config.data.seq_len + 1),
+                                       np.int32))
+
+  # ------------------------------------------------------------------ one step
+
+  @contextlib.contextmanager
+  def _loop_context(self, start: int):
+    """The loop's progress bar (advanced to `start`), preemption signal handler
+    (``guards.Preemption``) and heartbeat (``runtime.heartbeat_interval``), entered in that
+    order; yields the three."""
+    with ProgressBar(self.config.train.steps, self.progress) as bar, \
+        guards.Preemption() as preemption, self._heartbeat() as heartbeat:
       bar.advance(start)
-      for step in range(start, t.steps):
-        batch = self.next_batch(step)
-        self._phase = oom.WATCHDOG
-        bf16_loss = (self._bf16_loss(self.state.params, self._put_eval(batch))
-                     if self.watchdog.due(step) else None)
-        self.state, m = self.step_fn(cfg.microbatches_at(step))(self.state, batch)
-        self._phase = oom.STEP  # (reading the step's results below)
-        heartbeat.beat()
-        window.add(m, batch)
-        self._unread.append((step, m))
-        last = step + 1 == t.steps
-        logs = (step + 1) % t.log_every == 0 or last
-        save = self.checkpoints is not None and (
-            self.checkpoints.should_save(step + 1) or last or preemption.requested)
-        # The host reads the device only here (log, checkpoint and watchdog steps): the other
-        # steps are dispatched while earlier ones still run.
-        if logs or save or bf16_loss is not None:
-          self._read_guards(step, bf16_loss)
-        if t.batch_ramp is not None and not logs:  # the ramp's batch of every step
-          self.writer.write(step + 1, {"batch_tokens": window.last_tokens,
-                                       "tokens_seen": cfg.tokens_seen(step + 1)})
-        if logs:
-          final.update(self._log_window(step, window, m))
-          bar.advance(0, final)
-          window = _Window()
-        if self.health_on and ((step + 1) % t.fp8_health_every == 0 or last):
-          self._phase = oom.PROBE
-          self._probe_health(step, batch)
-        if (t.eval_every and (step + 1) % t.eval_every == 0) or last:
-          self._phase = oom.EVAL
-          final["val_loss"] = self.evaluate()
-          self.writer.write(step + 1, {"val_loss": final["val_loss"]})
-          window.restart()  # evaluation is not training time
-        bar.advance(1)
-        if self.checkpoints is not None and (save or preemption.requested):
-          self._read_guards(step)  # (a signal may have come after the read above)
-          self._phase = oom.CHECKPOINT
-          self.save(step + 1)
-          heartbeat.beat()
-        if preemption.requested:
-          return {**final, "preempted_at": self._stop_preempted(step + 1, preemption),
-                  "stopped_by": preemption.signal_name}
+      yield bar, preemption, heartbeat
+
+  def _watchdog_loss(self, step: int, batch) -> Any:
+    """The BF16 loss of `batch` on the state before step `step` when the divergence watchdog
+    checks that step (``runtime.divergence_check_every``), else None."""
+    self._phase = oom.WATCHDOG
+    if not self.watchdog.due(step):
+      return None
+    return self._bf16_loss(self.state.params, self._put_eval(batch))
+
+  def _train_step(self, step: int, batch, heartbeat) -> dict:
+    """Runs optimizer step `step` on `batch` (dispatched: nothing is read back), reports
+    progress to `heartbeat`, and queues the step's metrics for :meth:`_read_guards`; returns
+    the metrics (device values)."""
+    self.state, metrics = self.step_fn(self.config.microbatches_at(step))(self.state, batch)
+    self._phase = oom.STEP  # (reading the step's results)
+    heartbeat.beat()
+    self._unchecked_metrics.append((step, metrics))
+    return metrics
+
+  def _due(self, step: int, stop: bool, watchdog: bool) -> "_Due":
+    """What the loop does after step `step` (0-based): `stop`, a preemption signal came;
+    `watchdog`, the divergence watchdog checks this step."""
+    t, done = self.config.train, step + 1
+    last = done == t.steps
+    log = done % t.log_every == 0 or last
+    save = self.checkpoints is not None and (self.checkpoints.should_save(done) or last or stop)
+    return _Due(log=log, save=save, stop=stop, read_guards=log or save or watchdog,
+                ramp_record=t.batch_ramp is not None and not log,
+                evaluate=bool(t.eval_every and done % t.eval_every == 0) or last)
+
+  def _health_due(self, step: int) -> bool:
+    """Whether the FP8 cast health is probed after step `step` (``train.fp8_health_every``
+    and the last step; asked after the guards' read, which may switch the run to BF16)."""
+    t = self.config.train
+    return self.health_on and ((step + 1) % t.fp8_health_every == 0 or step + 1 == t.steps)
+
+  def _record_ramp(self, step: int, window: "_LogWindow") -> None:
+    """Writes the batch ramp's batch of step `step` (steps that do not log)."""
+    self.writer.write(step + 1, {"batch_tokens": window.last_tokens,
+                                 "tokens_seen": self.config.tokens_seen(step + 1)})
+
+  def _evaluate_and_record(self, step: int, window: "_LogWindow") -> float:
+    """The validation loss after step `step`, written to the logs; the log window's clock
+    restarts after it (evaluation is not training time)."""
+    self._phase = oom.EVAL
+    val_loss = self.evaluate()
+    self.writer.write(step + 1, {"val_loss": val_loss})
+    window.restart()
+    return val_loss
+
+  def _save_checkpoint(self, step: int, heartbeat) -> None:
+    """Starts the checkpoint of the state after `step` steps (the loop has read the guards of
+    the steps before it), then reports progress to `heartbeat`."""
+    self._phase = oom.CHECKPOINT
+    self.save(step)
+    heartbeat.beat()
+
+  def _finish(self, final: dict) -> dict:
+    """After the last step: waits for pending checkpoints, closes the logs, prints the final
+    losses; returns `final`."""
     if self.checkpoints is not None:
       self.checkpoints.wait()
     self.writer.close()
@@ -276,7 +357,7 @@ class Trainer:
 
   def _print_start(self, start: int, primary: bool) -> None:
     t = self.config.train
-    n = param_count(jax.eval_shape(self.state.model_params))  # (nothing decoded)
+    n = fp8_optim.num_params(jax.eval_shape(self.state.model_params))  # (nothing decoded)
     state_bytes = fp8_optim.tree_bytes((self.state.params, self.state.opt_state)) / n
     if jax.process_count() > 1:
       print(f"fp8jax train: process {jax.process_index()} of {jax.process_count()}")
@@ -319,8 +400,9 @@ class Trainer:
     if primary and absent:
       print(f"fp8jax train: {metrics_lib.describe_absent(absent)}")
 
-  def _log_window(self, step: int, window: "_Window", last_metrics: dict) -> dict:
-    """Writes and returns the metrics of the log window ending with step `step`."""
+  def _log_window(self, step: int, window: "_LogWindow", last_metrics: dict) -> dict:
+    """Writes and returns the metrics of the log window ending with step `step`; `window`
+    then starts the next window."""
     losses = [float(x) for x in window.losses]  # waits for the device
     tokens_per_s = window.tokens / max(window.seconds(), 1e-9)
     out = {"loss": float(np.mean(losses)), "grad_norm": float(last_metrics["grad_norm"]),
@@ -332,10 +414,12 @@ class Trainer:
     if self.state.fp8:
       out.update(metrics_lib.fp8_health(self.state.fp8, self.level.recipe))
     self.writer.write(step + 1, out)
+    window.reset()
     return out
 
   def _probe_health(self, step: int, batch) -> None:
     """Writes the FP8 cast health of the first microbatch of `batch` (``fp8/...``)."""
+    self._phase = oom.PROBE
     health, _ = self._probe(self.state, batch)
     self.writer.write(step + 1, {k: float(v) for k, v in health.items()})
 
@@ -461,20 +545,20 @@ class Trainer:
     print(f"fp8jax train: resumed from step {restored.step} ({self.checkpoints.directory})")
     return restored.step
 
-  def _stop_preempted(self, step: int, preemption: guards.Preemption) -> int:
+  def _stop_preempted(self, step: int, preemption: guards.Preemption, final: dict) -> dict:
     """Waits for the preemption checkpoint of `step`, closes the logs, says how to resume;
-    returns `step`."""
+    returns `final` with ``preempted_at`` (`step`) and ``stopped_by`` (the signal's name)."""
     if self.checkpoints is not None:
       self.checkpoints.wait()
     self.writer.close()
     print(stopped_line(step, preemption.signal_name, self.config, self.checkpoints), flush=True)
-    return step
+    return {**final, "preempted_at": step, "stopped_by": preemption.signal_name}
 
   def _read_guards(self, step: int, bf16_loss=None) -> None:
     """Reads the steps run since the last read, up to `step`: skip accounting (a reload after
     K in a row) and, with `bf16_loss` (a watchdog step), the divergence check of `step`."""
     skipped, metrics = False, None
-    for done, metrics in self._unread:
+    for done, metrics in self._unchecked_metrics:
       skipped = bool(metrics["skipped"])
       if skipped:
         logger.warning("step %d skipped: non-finite loss or gradients (%d skipped so far)",
@@ -484,7 +568,7 @@ class Trainer:
         self.writer.write(done + 1, {"skipped_steps": self.skips.total})
       if reload:
         self._reload_after_skips(step)  # continues after the newest step
-    self._unread = []
+    self._unchecked_metrics = []
     if bf16_loss is not None and metrics is not None and not skipped:
       reason = self.watchdog.check(step, float(metrics["loss"]), float(bf16_loss))
       if reason is not None:
@@ -508,23 +592,41 @@ class Trainer:
     self.fallback_reason = reason
     self.state = self.state._replace(fp8={})
     self.plan = dataclasses.replace(self.plan, state=self.plan.state._replace(fp8={}))
-    self._use_model(None, calibrate=False)
+    self._build_programs(None, calibrate=False)
     self.watchdog = guards.DivergenceWatchdog(0)
     self.fp8_peak = False
     if record:
       record_fallback(reason, int(self.state.step), self.run_dir, self.writer)
 
 
-class _Window:
+@dataclasses.dataclass(frozen=True)
+class _Due:
+  """What the loop does after a step (:meth:`Trainer._due`)."""
+  log: bool  # the log window ends: its metrics are written and shown
+  save: bool  # a checkpoint of the state after the step
+  stop: bool  # a preemption signal came (by the time of the checkpoint decision): stop after
+  # the step and its checkpoint
+  read_guards: bool  # the host reads the device (log, checkpoint and watchdog steps only:
+  # the other steps are dispatched while earlier ones still run)
+  ramp_record: bool  # the batch ramp's batch of a step that does not log
+  evaluate: bool  # the validation loss
+
+
+class _LogWindow:
   """Losses, FP8 grad-comm scaling records, tokens and seconds of one log window."""
 
   def __init__(self):
+    self.reset()
+
+  def reset(self) -> None:
+    """Empties the window; its clock starts now."""
     self.losses: list = []
     self.comm: list = []
     self.tokens = self.last_tokens = 0
     self.restart()
 
   def restart(self) -> None:
+    """Restarts the clock (after time that is not training time)."""
     self.t0 = time.perf_counter()
 
   def add(self, metrics: dict, batch) -> None:

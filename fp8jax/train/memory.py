@@ -34,7 +34,6 @@ import numpy as np
 from fp8jax.models.family import family_of
 from fp8jax.parallel import cost_inputs as ci, step_memory as sm
 
-GiB = 2**30
 REMAT_POLICIES = ci.REMAT_POLICIES
 ATTENTION_IMPLS = ci.ATTENTION_IMPLS
 

@@ -9,8 +9,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from fp8jax.hardware import peak_flops
-from fp8jax.params import leaf_name
+from fp8jax.gemm_weights import leaf_name
+from fp8jax.hardware import GiB, peak_flops
 from fp8jax.scaling import Fp8Meta, fp8_max
 
 
@@ -29,7 +29,7 @@ def memory_in_use() -> dict[str, float]:
   out = {}
   for key, name in (("bytes_in_use", "mem_gib"), ("peak_bytes_in_use", "peak_mem_gib")):
     if key in stats:
-      out[name] = stats[key] / 2**30
+      out[name] = stats[key] / GiB
   return out
 
 

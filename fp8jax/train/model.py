@@ -106,12 +106,12 @@ class RunModel:
     self.tensor_rules = tuple(user.tensor_rules)
     self.flops_per_token = user.flops_per_token
     if self.flops_per_token is None:
-      plain = self.at(None)
+      plain = self.for_recipe(None)
       variables = jax.eval_shape(lambda: plain.init(jax.random.key(0), self._tokens))
       self.flops_per_token = training_flops_per_token(plain.apply, variables, batch_size,
                                                       seq_len)
 
-  def at(self, recipe: Recipe | None) -> nn.Module:
+  def for_recipe(self, recipe: Recipe | None) -> nn.Module:
     """The model with FP8 GEMMs of `recipe` (None: BF16/high precision); one object per
     recipe."""
     if recipe not in self._cache:

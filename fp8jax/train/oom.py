@@ -6,7 +6,8 @@ import re
 
 import jax
 
-GiB = 2**30
+from fp8jax.hardware import GiB
+
 # The phases of a run (``Trainer`` names the one that runs).
 INIT, CALIBRATION, STEP, EVAL, PROBE, WATCHDOG, CHECKPOINT, RESTORE = (
     "state initialisation", "FP8 calibration", "train step", "evaluation", "FP8 health probe",

@@ -6,8 +6,8 @@ import numpy as np
 import optax
 
 from fp8jax import optim as fp8_optim
+from fp8jax.gemm_weights import gemm_weight_mask
 from fp8jax.optim.fused import adamw_master_step
-from fp8jax.params import gemm_weight_mask
 from fp8jax.recipe import O1, OptLevel
 
 

@@ -60,4 +60,4 @@ def test_metrics_are_read_only_at_log_steps(tmp_path):
   final = trainer.run()
   assert np.isfinite(final["loss"])
   assert reads and set(reads) == {2, 5, 6}, reads
-  assert trainer.skips.total == 0 and trainer._unread == []
+  assert trainer.skips.total == 0 and trainer._unchecked_metrics == []

@@ -104,7 +104,7 @@ def test_bf16_matrices_need_less_memory(microbatches, fused):
   schedule = lr_schedule(1e-3, 1, 10, 0.1)
   tx = make_optimizer(schedule, level=fp8jax.O2, **HYPER)
   state = init_state(model, tx, fp8jax.O2, B, T, 0)
-  from fp8jax.params import gemm_weight_mask
+  from fp8jax.gemm_weights import gemm_weight_mask
   params = state.model_params()
   matrices = sum(w.size for w, m in zip(jax.tree.leaves(params),
                                         jax.tree.leaves(gemm_weight_mask(params))) if m)

@@ -10,7 +10,8 @@ import pytest
 import fp8jax
 from fp8jax import FP8_COLLECTION, data
 from fp8jax.models import (GPT, ModelConfig, flops_per_token, init_model, matmul_param_count,
-                           next_token_loss, param_count)
+                           next_token_loss)
+from fp8jax.optim import num_params
 from conftest import rel_err
 
 TINY = ModelConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=64)
@@ -64,11 +65,11 @@ def test_shapes_params_and_flops(key, cfg):
   assert np.isfinite(np.asarray(logits)).all() and float(jnp.std(logits)) > 0
   params = variables["params"]
   assert ("head" in params) != cfg.tie_embeddings
-  norms = sum(param_count(v) for k, v in jax.tree_util.tree_flatten_with_path(params)[0]
+  norms = sum(num_params(v) for k, v in jax.tree_util.tree_flatten_with_path(params)[0]
               if "norm" in jax.tree_util.keystr(k))
-  embed = param_count(params["embed"])
+  embed = num_params(params["embed"])
   head_counted = embed if cfg.tie_embeddings else 0  # the tied head is still a GEMM
-  assert matmul_param_count(cfg) == param_count(params) - embed - norms + head_counted
+  assert matmul_param_count(cfg) == num_params(params) - embed - norms + head_counted
   assert flops_per_token(cfg, 24) == 6 * matmul_param_count(cfg) + 12 * 2 * 64 * 24
 
 

@@ -10,11 +10,11 @@ import pytest
 import ft_util
 from fp8jax import cli
 from fp8jax.checkpoint import CheckpointManager
+from fp8jax.hardware import GiB
 from fp8jax.train import oom
 from fp8jax.train.evaluation import EvalStep
 from fp8jax.train.step import TrainStep
 
-GiB = 2**30
 XLA_OOM = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 152.31GiB.: "
            "executable_name='jit_eval_step'")
 

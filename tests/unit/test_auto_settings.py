@@ -7,12 +7,11 @@ import pytest
 
 from fp8jax import xla_env
 from fp8jax.config import Config, load_config
-from fp8jax.hardware import DeviceReport, cudnn_attention_head_dim
+from fp8jax.hardware import DeviceReport, GiB, cudnn_attention_head_dim
 from fp8jax.models.gpt import ModelConfig
 from fp8jax.models.layers import attention_impl_for, cudnn_attention_reason
 from fp8jax.train import build, memory
 
-GiB = 2**30
 H200 = DeviceReport(0, "gpu", "NVIDIA H200", "9.0", 1, 100 * GiB)
 A100 = DeviceReport(0, "gpu", "NVIDIA A100-SXM4-80GB", "8.0", 1, 60 * GiB)
 V100 = DeviceReport(0, "gpu", "Tesla V100-SXM2-16GB", "7.0", 1, 12 * GiB)
