@@ -199,7 +199,7 @@ class TrainSection(_Section):
   eval_every: int = _field(50, _ge(0))  # 0 disables validation
   eval_batches: int = _field(8, _ge(1))
   log_every: int = _field(10, _ge(1))
-  fp8_health_every: int = _field(50, _ge(0))  # FP8 cast-health probe; 0 disables
+  fp8_health_every: int = _field(50, _ge(0))  # FP8 cast-health probe, fp8/loss_gap; 0: none
   seed: int = _field(0, _ge(0))
   # The AdamW + FP16-master update as one kernel per tensor on one device, at the levels
   # whose OptLevel.fused_update is true (O2) (fp8jax.optim.fused; benchmarks/RESULTS.md

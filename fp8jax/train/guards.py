@@ -79,6 +79,12 @@ class SkipCounter:
     return False
 
 
+def loss_gap(fp8_loss: float, bf16_loss: float) -> float:
+  """(FP8 loss - BF16 loss) / |BF16 loss| of the same batch and parameters: the relative
+  price of FP8 GEMMs in loss (``fp8/loss_gap``; > 0: FP8 is worse)."""
+  return (fp8_loss - bf16_loss) / max(abs(bf16_loss), 1e-12)
+
+
 class DivergenceWatchdog:
   """Compares the FP8 loss with a BF16 evaluation of the same batch every `every` steps.
 
@@ -102,7 +108,7 @@ class DivergenceWatchdog:
     """The reason to fall back to BF16, or None when the gap is within the threshold."""
     if not (math.isfinite(fp8_loss) and math.isfinite(bf16_loss)):
       return None  # non-finite steps are the skip guard's business
-    gap = abs(fp8_loss - bf16_loss) / max(abs(bf16_loss), 1e-12)
+    gap = abs(loss_gap(fp8_loss, bf16_loss))
     if gap <= self.threshold:
       return None
     return (f"FP8 diverged from BF16 at step {step}: loss {fp8_loss:.6g} (FP8) vs "

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import time
 from typing import Any
@@ -237,11 +238,19 @@ class Trainer:
       bar.advance(start)
       yield bar, preemption, heartbeat
 
+  def _loss_gap_due(self, step: int) -> bool:
+    """Whether ``fp8/loss_gap`` is measured at step `step` (0-based): FP8 GEMMs, every
+    ``train.fp8_health_every`` steps, until a fallback to BF16."""
+    every = self.config.train.fp8_health_every
+    return (bool(every) and self.level.fp8_gemms and self.fallback_reason is None
+            and step % every == 0)
+
   def _watchdog_loss(self, step: int, batch) -> Any:
     """The BF16 loss of `batch` on the state before step `step` when the divergence watchdog
-    checks that step (``runtime.divergence_check_every``), else None."""
+    checks that step (``runtime.divergence_check_every``) or the FP8-BF16 loss gap is
+    measured (:meth:`_loss_gap_due`), else None."""
     self._phase = oom.WATCHDOG
-    if not self.watchdog.due(step):
+    if not (self.watchdog.due(step) or self._loss_gap_due(step)):
       return None
     return self._bf16_loss(self.state.params, self._put_eval(batch))
 
@@ -570,7 +579,10 @@ class Trainer:
         self._reload_after_skips(step)  # continues after the newest step
     self._unchecked_metrics = []
     if bf16_loss is not None and metrics is not None and not skipped:
-      reason = self.watchdog.check(step, float(metrics["loss"]), float(bf16_loss))
+      fp8_loss, bf16 = float(metrics["loss"]), float(bf16_loss)
+      if math.isfinite(fp8_loss) and math.isfinite(bf16):
+        self.writer.write(step + 1, {"fp8/loss_gap": guards.loss_gap(fp8_loss, bf16)})
+      reason = self.watchdog.check(step, fp8_loss, bf16) if self.watchdog.due(step) else None
       if reason is not None:
         self.fall_back_to_bf16(reason)
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from fp8jax.config import load_config
-from fp8jax.train.guards import (STALL_EXIT_CODE, DivergenceWatchdog, Heartbeat, SkipCounter)
+from fp8jax.train.guards import (STALL_EXIT_CODE, DivergenceWatchdog, Heartbeat, SkipCounter,
+                                 loss_gap)
 from fp8jax.train.loop import Trainer
 
 import ft_util
@@ -134,6 +135,27 @@ def test_divergence_watchdog_threshold(key):
   assert reason is not None and "step 5" in reason and "BF16 (O0)" in reason
   assert w.check(5, float("nan"), bf16) is None  # the skip guard's business
   assert not DivergenceWatchdog(0).due(0)
+  # the watchdog reads the logged number, fp8/loss_gap (signed: FP8 worse is > 0)
+  assert loss_gap(bf16 * 1.011, bf16) == pytest.approx(0.011)
+  assert loss_gap(bf16 * 0.989, bf16) == pytest.approx(-0.011)
+  assert f"{abs(loss_gap(bf16 * 0.989, bf16)):.3%}" in w.check(5, bf16 * 0.989, bf16)
+
+
+def test_the_fp8_bf16_loss_gap_is_logged_every_health_probe(tmp_path):
+  """``fp8/loss_gap`` (FP8 step loss minus the BF16 loss of the same batch and parameters,
+  relative) in metrics.jsonl every ``train.fp8_health_every`` steps by default: FP8 ran (not
+  zero) and it is within FP8's bound."""
+  from fp8jax.config import load_config
+  from fp8jax.train.loop import Trainer
+  from fp8jax.train.metrics import read_jsonl
+  cfg = load_config("configs/tiny.yaml", [
+      "train.steps=4", "train.fp8_health_every=2", "train.opt_level=O1", "train.eval_every=0",
+      "model.n_layers=1", f"runtime.run_dir={tmp_path}"])
+  Trainer(cfg, progress=False).run()
+  gaps = {r["step"]: r["fp8/loss_gap"] for r in read_jsonl(str(tmp_path / "metrics.jsonl"))
+          if "fp8/loss_gap" in r}
+  assert sorted(gaps) == [1, 3], gaps
+  assert all(0 < abs(g) < 0.05 for g in gaps.values()), gaps
 
 
 @pytest.mark.parametrize("make,message", [
