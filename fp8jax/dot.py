@@ -54,7 +54,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from fp8jax import fsdp, scaling
+from fp8jax import fsdp, rowwise, scaling
 from fp8jax.dot_layout import agree_on_vma, canonical_dims, explicit_shardings, to_vma, \
     vma_of, weight_gather
 from fp8jax.hardware import active_plan, native_fp8_reason
@@ -473,6 +473,8 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
   out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
   lperm, rperm, (b, m, k, n), batched, out_shape = canonical_dims(lhs.shape, rhs.shape,
                                                                  dimension_numbers)
+  if recipe.rowwise:
+    _check_rowwise_call(recipe, weight_cast, weight_shardings)
   w_gather = None
   if weight_shardings is not None:
     if weight_cast is not None:
@@ -489,6 +491,13 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
   if gain is not None:  # inside shard_map: varying like x, so its gradient is summed over them
     gain = to_vma(gain, vma_of(x))
   meta_vma = frozenset().union(*(vma_of(a) for a in jax.tree.leaves(meta)))
+  if recipe.rowwise:  # the activation or RMSNorm by XLA ops, then the row-wise GEMM
+    x = ct.activate(x, lhs_activation) if gain is None else ct.rms_norm(x, gain, norm_eps)
+    cfg = rowwise.Config(recipe, np.dtype(out_dtype).type, reason is None, tuple(amax_axes),
+                         np.dtype(lhs.dtype).type, np.dtype(rhs.dtype).type, meta_vma,
+                         *explicit_shardings(x, w), INPUT_CAST_NAME, WEIGHT_CAST_NAME)
+    y, meta_out = rowwise.matmul(x, w, meta, cfg)
+    return y.reshape(out_shape), meta_out
   if weight_cast is not None:
     _check_weight_cast(weight_cast, rhs, recipe, vma_of(x) | meta_vma)
     q = jnp.transpose(weight_cast.q, rperm).reshape(w.shape)
@@ -501,6 +510,21 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
                 activation=lhs_activation, norm_eps=norm_eps, w_gather=w_gather)
   y, meta_out = _fp8_matmul(x, w, meta, weight_cast, gain, cfg)
   return y.reshape(out_shape), meta_out
+
+
+def _check_rowwise_call(recipe: Recipe, weight_cast, weight_shardings) -> None:
+  """Raises for what a row-wise GEMM does not take; logs once that the fused cast kernel
+  gives way to XLA casts."""
+  if weight_cast is not None:
+    raise ValueError("weight_cast is not supported with Recipe(granularity='rowwise'): the "
+                     "GEMM casts its weight per column (and per row for the input gradient)")
+  if weight_shardings is not None:
+    raise ValueError("weight_shardings (ZeRO-3 weight gathers) is not supported with "
+                     "Recipe(granularity='rowwise'); gather the weight first or use "
+                     "granularity='tensor'")
+  if recipe.fused_cast_transpose:
+    log_once("fp8jax: fused cast+transpose kernel not used, XLA casts instead: row-wise "
+             "scaling", logging.INFO)
 
 
 def fp8_dot_general(lhs, rhs, dimension_numbers, meta: Fp8DotMeta, recipe: Recipe = Recipe(),
@@ -636,6 +660,9 @@ def fp8_mlp_chained(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta,
   gain, norm_eps = _check_lhs_norm(norm, x, (((x.ndim - 1,), (0,)), ((), ())), None)
   h_dtype = preferred_element_type or jnp.result_type(x.dtype, w_in.dtype)
   y_dtype = preferred_element_type or jnp.result_type(h_dtype, w_out.dtype)
+  if recipe.rowwise:
+    return _rowwise_mlp(x, w_in, w_out, meta_in, meta_out, recipe, activation, norm, h_dtype,
+                        y_dtype, weight_cast_in, weight_cast_out)
   lead, d = x.shape[:-1], x.shape[-1]
   m, f = math.prod(lead), w_in.shape[1]
   x2 = x.reshape(m, d)
@@ -653,3 +680,18 @@ def fp8_mlp_chained(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta,
   y, meta_in, meta_out = _fp8_mlp(x2, w_in, w_out, meta_in, meta_out, *casts, gain, cfg_in,
                                   cfg_out)
   return y.reshape(*lead, w_out.shape[1]), meta_in, meta_out
+
+
+def _rowwise_mlp(x, w_in, w_out, meta_in, meta_out, recipe: Recipe, activation: str, norm,
+                 h_dtype, y_dtype, weight_cast_in, weight_cast_out):
+  """:func:`fp8_mlp_chained` with a row-wise recipe: two row-wise GEMMs, the RMSNorm, the
+  activation and their derivatives by XLA ops (no fused kernel). Returns (y, meta_in
+  passthrough, meta_out passthrough)."""
+  h, meta_in = fp8_dot_general_chained(x, w_in, (((x.ndim - 1,), (0,)), ((), ())), meta_in,
+                                       recipe, preferred_element_type=h_dtype,
+                                       weight_cast=weight_cast_in, lhs_norm=norm)
+  h = ct.activate(checkpoint_name(h, GEMM_OUTPUT_NAME), activation)
+  y, meta_out = fp8_dot_general_chained(h, w_out, (((h.ndim - 1,), (0,)), ((), ())), meta_out,
+                                        recipe, preferred_element_type=y_dtype,
+                                        weight_cast=weight_cast_out)
+  return y, meta_in, meta_out
