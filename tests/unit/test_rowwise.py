@@ -44,20 +44,20 @@ def _f64(lhs, rhs, dn, g):
 
 def _fp8(recipe, lhs, rhs, dn, g):
   """(y, dlhs, drhs) of fp8_dot_general with `recipe`, jitted."""
-  def run(l, r):
+  def run(l, r, g):
     y, vjp = jax.vjp(lambda l, r: fp8jax.fp8_dot_general(l, r, dn, fp8jax.init_dot_meta(recipe),
                                                         recipe), l, r)
     return (y, *vjp(g))
-  return jax.jit(run)(lhs, rhs)
+  return jax.jit(run)(lhs, rhs, g)
 
 
 def _bf16(lhs, rhs, dn, g):
-  def run(l, r):
+  def run(l, r, g):
     f = lambda l, r: jax.lax.dot_general(l.astype(jnp.bfloat16), r.astype(jnp.bfloat16), dn,
                                          preferred_element_type=jnp.float32)
     y, vjp = jax.vjp(f, l, r)
     return (y, *vjp(g))
-  return jax.jit(run)(lhs, rhs)
+  return jax.jit(run)(lhs, rhs, g)
 
 
 @pytest.mark.parametrize("lhs_shape,rhs_shape,dn", CASES)
