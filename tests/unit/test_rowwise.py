@@ -252,7 +252,8 @@ def test_refusals_are_one_line():
   wc = fdot.cast_weight(w, fp8jax.init_meta(16), TW)
   with pytest.raises(ValueError, match="weight_cast is not supported with"):
     fp8jax.fp8_dot_general_chained(x, w, DENSE, fp8jax.init_dot_meta(RW), RW, weight_cast=wc)
-  mesh = jax.make_mesh((len(jax.devices()),), ("fsdp",))
+  mesh = jax.make_mesh((len(jax.devices()),), ("fsdp",),
+                       axis_types=(jax.sharding.AxisType.Auto,))
   home = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
   gathered = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   with pytest.raises(ValueError, match="ZeRO-3 weight gathers"):
@@ -354,3 +355,34 @@ def test_nnx_linear_and_convert_take_it(key):
 class _NnxWrap(nnx.Module):
   def __init__(self, fc):
     self.fc = fc
+
+
+def test_inside_shard_map_each_device_scales_its_own_rows(key):
+  """Tokens split over a "data" axis inside shard_map (amax_axes=("data",)): y and dx equal
+  the unsplit GEMM's bit for bit (their rows are scaled alike), dw (x and g per column over
+  each device's tokens, partial sums added) stays FP8-close to float64, and the recorded FP8
+  state is the unsplit one's (tensor amaxes agreed by pmax)."""
+  n = len(jax.devices())
+  k1, k2, k3 = jax.random.split(key, 3)
+  x, w = jax.random.normal(k1, (16 * n, 64)), jax.random.normal(k2, (64, 32)) * 0.1
+  g = jax.random.normal(k3, (16 * n, 32))
+  meta = fp8jax.init_dot_meta(RW)
+  mesh = jax.make_mesh((n,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  P = jax.sharding.PartitionSpec
+  x, g = (jax.device_put(a, jax.sharding.NamedSharding(mesh, P("data"))) for a in (x, g))
+
+  def grads(x, w, g, meta, axes=()):
+    f = lambda x, w, m: fp8jax.fp8_dot_general(x, w, DENSE, m, RW, amax_axes=axes)
+    y, vjp = jax.vjp(f, x, w, meta)
+    return (y, *vjp(g))
+
+  split = jax.jit(jax.shard_map(functools.partial(grads, axes=("data",)), mesh=mesh,
+                                in_specs=(P("data"), P(), P("data"), P()),
+                                out_specs=(P("data"), P("data"), P(), P())))
+  y, dx, dw, new = split(x, w, g, meta)
+  y1, dx1, dw1, new1 = jax.jit(grads)(x, w, g, meta)
+  np.testing.assert_array_equal(y, y1)
+  np.testing.assert_array_equal(dx, dx1)
+  assert rel_err(dw, _f64(x, w, DENSE, g)[2]) < 0.1
+  for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(new1)):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
