@@ -27,6 +27,11 @@ gradient contracts the last axes of both transposed operands (cuBLASLt's "TN" la
 second GEMM's input cast, the activation's derivative inside the cast of the gradient entering
 the first (one kernel pass each with the fused kernel).
 
+With ``Recipe(granularity="rowwise")`` the GEMM runs :func:`fp8jax.rowwise.matmul` instead:
+one scale per row of each operand along its GEMM's contraction, unit-scale FP8 GEMMs whose
+f32 outputs the scales multiply; an activation or RMSNorm of the lhs, and the MLP op, run as
+XLA ops around row-wise GEMMs (no fused kernel, no weight cast outside, no ZeRO-3 gather).
+
 The updated :class:`Fp8DotMeta` comes back from the backward pass as the cotangent of the
 meta argument (the overwrite-with-gradient convention): ``jax.grad`` with respect to the meta
 returns the new meta. :func:`fp8_dot_general_chained` also returns the meta unchanged as a
@@ -455,6 +460,8 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
       normalizes while casting, so the normed tensor is never stored. lhs and gain get their
       gradients through the norm (inside ``shard_map``, lhs's last axis must be whole on
       each device). Not with `lhs_activation`.
+  With a row-wise `recipe` (``granularity="rowwise"``, :mod:`fp8jax.rowwise`) the activation
+  or norm runs as XLA ops before the GEMM, and `weight_cast` / `weight_shardings` raise.
   """
   ct.check_activation(lhs_activation)
   gain, norm_eps = _check_lhs_norm(lhs_norm, lhs, dimension_numbers, lhs_activation)
@@ -631,7 +638,9 @@ def fp8_mlp_chained(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta,
       ``rms_norm(x, gain, eps)`` (gain [D]) instead of x, normalized inside its input's cast,
       as ``fp8_dot_general_chained``'s `lhs_norm`.
   Returns y [..., N]. Outside ``shard_map`` only, on a mesh without Explicit axes (else use
-  two fp8_dot_general_chained calls).
+  two fp8_dot_general_chained calls). With a row-wise `recipe`: two row-wise
+  ``fp8_dot_general_chained`` calls, the norm and activation (and their derivatives) by XLA
+  ops.
   """
   if activation is None:
     raise ValueError(f"fp8_mlp: activation=None is not allowed; use one of "

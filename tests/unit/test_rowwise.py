@@ -3,7 +3,9 @@ gradients against float64 (FP8 ran: error above BF16's, bounded), more accurate 
 scaling where rows (tokens) or channels span more range than one FP8 scale covers, one scale
 per row, FP8 dot operands in the lowered program, the FP8 state it records, the refusals, and
 the Flax APIs and convert() taking it."""
+import contextlib
 import functools
+import io
 import re
 
 import flax.linen as nn
@@ -386,3 +388,26 @@ def test_inside_shard_map_each_device_scales_its_own_rows(key):
   assert rel_err(dw, _f64(x, w, DENSE, g)[2]) < 0.1
   for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(new1)):
     np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_remat_saves_the_named_casts_and_gives_the_same_gradients(key):
+  """Under jax.checkpoint with the save policies the weight's forward cast and the
+  activation's per-column cast are the saved residuals (FP8 bits and scale vectors); the
+  gradients equal the un-rematerialized ones."""
+  k1, k2 = jax.random.split(key)
+  x, w = jax.random.normal(k1, (32, 64)), jax.random.normal(k2, (64, 48))
+  f = lambda x, w, m: jnp.sum(jnp.tanh(fp8jax.fp8_dot_general(x, w, DENSE, m, RW)))
+  meta = fp8jax.init_dot_meta(RW)
+  plain = jax.jit(jax.grad(f, argnums=(0, 1, 2)))(x, w, meta)
+  policy = jax.checkpoint_policies.save_only_these_names(fdot.INPUT_CAST_NAME,
+                                                         fdot.WEIGHT_CAST_NAME)
+  remat = jax.jit(jax.grad(jax.checkpoint(f, policy=policy), argnums=(0, 1, 2)))(x, w, meta)
+  for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(remat)):
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+  out = io.StringIO()
+  with contextlib.redirect_stdout(out):
+    jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(f, policy=policy), x, w, meta)
+  named = sorted(re.findall(r"^(\S+) named '(\w+)'", out.getvalue(), re.M))
+  assert named == sorted([("u8[32,64]", fdot.INPUT_CAST_NAME), ("f32[64]", fdot.INPUT_CAST_NAME),
+                          ("u8[64,48]", fdot.WEIGHT_CAST_NAME),
+                          ("f32[48]", fdot.WEIGHT_CAST_NAME)]), out.getvalue()
