@@ -46,6 +46,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from fp8jax import scaling
+from fp8jax.dot_layout import to_vma
 from fp8jax.recipe import Recipe
 
 
@@ -138,19 +139,6 @@ def scaled_mm(a, b, contract: tuple[int, int], scale_a, scale_b, out_dtype, nati
   return (y * scale_a[..., :, None] * scale_b[..., None, :]).astype(out_dtype)
 
 
-def _vma(x) -> frozenset:
-  """Manual mesh axes (inside shard_map) that `x` varies over."""
-  aval = jax.typeof(x)
-  manual = getattr(aval, "manual_axis_type", None)  # jax 0.10+; older releases: aval.vma
-  return frozenset(manual.varying if manual is not None else getattr(aval, "vma", None) or ())
-
-
-def _to_vma(x, vma: frozenset):
-  """`x` marked as varying over `vma` (a no-op outside shard_map)."""
-  missing = tuple(sorted(vma - _vma(x)))
-  return lax.pcast(x, missing, to="varying") if missing else x
-
-
 def _named(name: str | None, *arrays):
   """`arrays` tagged ``checkpoint_name(.., name)`` (FP8 payloads as their uint8 bits, as
   :mod:`fp8jax.dot` tags its casts); unchanged without a name."""
@@ -209,7 +197,7 @@ def _matmul_bwd(cfg: Config, res, cts):
                  r.wgrad_fast, cfg.w_sharding)
   new = partial._replace(output_grad=scaling.update_meta(
       partial.output_grad, tensor_amax(ag, cfg.amax_axes), r, r.bwd_format))
-  new = jax.tree.map(lambda a: _to_vma(a, cfg.meta_vma), new)
+  new = jax.tree.map(lambda a: to_vma(a, cfg.meta_vma), new)
   return dx, dw, scaling.combine_max(new, meta_ct)
 
 
