@@ -234,7 +234,8 @@ class ReportEntry(NamedTuple):
 
   Attributes:
     path, kind: as in :class:`Gemm`.
-    format: "E4M3/E5M2" (FP8: forward operands / output gradients) or the high-precision
+    format: "E4M3/E5M2" (FP8: forward operands / output gradients; "E4M3/E5M2 row-wise"
+      with ``Recipe(granularity="rowwise")``) or the high-precision
       compute dtype the GEMM keeps ("bfloat16"; "unchanged": its operands' promoted dtype).
     layers: layers the row stands for (stacked under a scan), 1 when not stacked.
     reason: why it stays in high precision; "" when converted.
@@ -307,7 +308,8 @@ class ConvertReport:
 def _report(level: str, gemms: Sequence[Gemm], kept: Mapping[str, str | None],
             recipe: Recipe | None) -> ConvertReport:
   fp8 = None if recipe is None else \
-      f"{format_name(recipe.fwd_format).upper()}/{format_name(recipe.bwd_format).upper()}"
+      f"{format_name(recipe.fwd_format).upper()}/{format_name(recipe.bwd_format).upper()}" + (
+          " row-wise" if recipe.rowwise else "")
   entries = []
   for g in sorted(gemms, key=lambda g: g.path):
     why = kept[g.path]

@@ -27,6 +27,11 @@ gradient contracts the last axes of both transposed operands (cuBLASLt's "TN" la
 second GEMM's input cast, the activation's derivative inside the cast of the gradient entering
 the first (one kernel pass each with the fused kernel).
 
+With ``Recipe(granularity="rowwise")`` the GEMM runs :func:`fp8jax.rowwise.matmul` instead:
+one scale per row of each operand along its GEMM's contraction, unit-scale FP8 GEMMs whose
+f32 outputs the scales multiply; an activation or RMSNorm of the lhs, and the MLP op, run as
+XLA ops around row-wise GEMMs (no fused kernel, no weight cast outside, no ZeRO-3 gather).
+
 The updated :class:`Fp8DotMeta` comes back from the backward pass as the cotangent of the
 meta argument (the overwrite-with-gradient convention): ``jax.grad`` with respect to the meta
 returns the new meta. :func:`fp8_dot_general_chained` also returns the meta unchanged as a
@@ -54,7 +59,7 @@ import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from fp8jax import fsdp, scaling
+from fp8jax import fsdp, rowwise, scaling
 from fp8jax.dot_layout import agree_on_vma, canonical_dims, explicit_shardings, to_vma, \
     vma_of, weight_gather
 from fp8jax.hardware import active_plan, native_fp8_reason
@@ -455,6 +460,8 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
       normalizes while casting, so the normed tensor is never stored. lhs and gain get their
       gradients through the norm (inside ``shard_map``, lhs's last axis must be whole on
       each device). Not with `lhs_activation`.
+  With a row-wise `recipe` (``granularity="rowwise"``, :mod:`fp8jax.rowwise`) the activation
+  or norm runs as XLA ops before the GEMM, and `weight_cast` / `weight_shardings` raise.
   """
   ct.check_activation(lhs_activation)
   gain, norm_eps = _check_lhs_norm(lhs_norm, lhs, dimension_numbers, lhs_activation)
@@ -473,6 +480,11 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
   out_dtype = preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype)
   lperm, rperm, (b, m, k, n), batched, out_shape = canonical_dims(lhs.shape, rhs.shape,
                                                                  dimension_numbers)
+  if recipe.rowwise:
+    rowwise.check_call(weight_cast, weight_shardings)
+    if recipe.fused_cast_transpose:
+      log_once("fp8jax: fused cast+transpose kernel not used, XLA casts instead: row-wise "
+               "scaling", logging.INFO)
   w_gather = None
   if weight_shardings is not None:
     if weight_cast is not None:
@@ -489,6 +501,13 @@ def fp8_dot_general_chained(lhs, rhs, dimension_numbers, meta: Fp8DotMeta,
   if gain is not None:  # inside shard_map: varying like x, so its gradient is summed over them
     gain = to_vma(gain, vma_of(x))
   meta_vma = frozenset().union(*(vma_of(a) for a in jax.tree.leaves(meta)))
+  if recipe.rowwise:  # the activation or RMSNorm by XLA ops, then the row-wise GEMM
+    x = ct.activate(x, lhs_activation) if gain is None else ct.rms_norm(x, gain, norm_eps)
+    cfg = rowwise.Config(recipe, np.dtype(out_dtype).type, reason is None, tuple(amax_axes),
+                         np.dtype(lhs.dtype).type, np.dtype(rhs.dtype).type, meta_vma,
+                         *explicit_shardings(x, w), INPUT_CAST_NAME, WEIGHT_CAST_NAME)
+    y, meta_out = rowwise.matmul(x, w, meta, cfg)
+    return y.reshape(out_shape), meta_out
   if weight_cast is not None:
     _check_weight_cast(weight_cast, rhs, recipe, vma_of(x) | meta_vma)
     q = jnp.transpose(weight_cast.q, rperm).reshape(w.shape)
@@ -607,7 +626,9 @@ def fp8_mlp_chained(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta,
       ``rms_norm(x, gain, eps)`` (gain [D]) instead of x, normalized inside its input's cast,
       as ``fp8_dot_general_chained``'s `lhs_norm`.
   Returns y [..., N]. Outside ``shard_map`` only, on a mesh without Explicit axes (else use
-  two fp8_dot_general_chained calls).
+  two fp8_dot_general_chained calls). With a row-wise `recipe`: two row-wise
+  ``fp8_dot_general_chained`` calls, the norm and activation (and their derivatives) by XLA
+  ops.
   """
   if activation is None:
     raise ValueError(f"fp8_mlp: activation=None is not allowed; use one of "
@@ -636,6 +657,9 @@ def fp8_mlp_chained(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta,
   gain, norm_eps = _check_lhs_norm(norm, x, (((x.ndim - 1,), (0,)), ((), ())), None)
   h_dtype = preferred_element_type or jnp.result_type(x.dtype, w_in.dtype)
   y_dtype = preferred_element_type or jnp.result_type(h_dtype, w_out.dtype)
+  if recipe.rowwise:
+    return _rowwise_mlp(x, w_in, w_out, meta_in, meta_out, recipe, activation, norm, h_dtype,
+                        y_dtype, weight_cast_in, weight_cast_out)
   lead, d = x.shape[:-1], x.shape[-1]
   m, f = math.prod(lead), w_in.shape[1]
   x2 = x.reshape(m, d)
@@ -653,3 +677,18 @@ def fp8_mlp_chained(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta,
   y, meta_in, meta_out = _fp8_mlp(x2, w_in, w_out, meta_in, meta_out, *casts, gain, cfg_in,
                                   cfg_out)
   return y.reshape(*lead, w_out.shape[1]), meta_in, meta_out
+
+
+def _rowwise_mlp(x, w_in, w_out, meta_in, meta_out, recipe: Recipe, activation: str, norm,
+                 h_dtype, y_dtype, weight_cast_in, weight_cast_out):
+  """:func:`fp8_mlp_chained` with a row-wise recipe: two row-wise GEMMs, the RMSNorm, the
+  activation and their derivatives by XLA ops (no fused kernel). Returns (y, meta_in
+  passthrough, meta_out passthrough)."""
+  h, meta_in = fp8_dot_general_chained(x, w_in, (((x.ndim - 1,), (0,)), ((), ())), meta_in,
+                                       recipe, preferred_element_type=h_dtype,
+                                       weight_cast=weight_cast_in, lhs_norm=norm)
+  h = ct.activate(checkpoint_name(h, GEMM_OUTPUT_NAME), activation)
+  y, meta_out = fp8_dot_general_chained(h, w_out, (((h.ndim - 1,), (0,)), ((), ())), meta_out,
+                                        recipe, preferred_element_type=y_dtype,
+                                        weight_cast=weight_cast_out)
+  return y, meta_in, meta_out

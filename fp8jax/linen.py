@@ -383,8 +383,13 @@ def cast_weights(variables, recipe: Recipe, dtype=None) -> dict:
   step for all microbatches (``make_train_step(cast_weights=...)``). States stacked by
   ``nn.scan`` (leading layer axes) are cast per layer; put ``WEIGHT_CAST_COLLECTION`` in the
   scan's ``variable_axes`` like ``FP8_COLLECTION``. GEMMs without a "kernel" param next to
-  them are skipped (they cast as usual); the collection is not differentiated.
+  them are skipped (they cast as usual); the collection is not differentiated. Raises
+  ValueError for a row-wise `recipe` (its GEMMs cast their weights themselves).
   """
+  if recipe.rowwise:
+    raise ValueError("cast_weights: Recipe(granularity='rowwise') GEMMs cast their weights "
+                     "themselves (per column, and per row for the input gradient); apply the "
+                     "model without a weight cast")
   params = traverse_util.flatten_dict(variables["params"])
   out = {}
   for path, meta in traverse_util.flatten_dict(variables.get(FP8_COLLECTION, {})).items():

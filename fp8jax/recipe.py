@@ -21,6 +21,7 @@ _FWD_FORMATS = (E4M3,)
 _BWD_FORMATS = (E5M2, E4M3)
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 SCALINGS = ("delayed", "current")
+GRANULARITIES = ("tensor", "rowwise")
 
 
 def _as_fp8_format(field: str, value: Any, allowed: tuple) -> Any:
@@ -70,6 +71,13 @@ class Recipe:
       own tensor's amax and XLA computes both in one pass over the tensor instead of two. A
       never-observed state would cast with its initial scale of 1. Ignored by current
       scaling.
+    granularity: "tensor" (one scale per tensor) or "rowwise" (one scale per row of each
+      GEMM operand along the axis that GEMM contracts: activations and output gradients per
+      token row, weights per output column in the forward; :mod:`fp8jax.rowwise`). Row-wise
+      is current scaling only (each row's own amax: `scaling` must be "current"); its GEMMs
+      run with unit scales and the row scales are applied to the GEMM's output. Not with
+      ZeRO-3 weight gathers or weights cast outside the GEMM; `fused_cast_transpose` and
+      the activation / RMSNorm inside the cast fall back to XLA ops.
   """
 
   fwd_format: Any = E4M3
@@ -82,6 +90,7 @@ class Recipe:
   bwd_fast_accumulation: bool | str = False
   fused_cast_transpose: bool = False
   calibrated: bool = False
+  granularity: str = "tensor"
 
   def __post_init__(self):
     object.__setattr__(self, "fwd_format", _as_fp8_format("fwd_format", self.fwd_format, _FWD_FORMATS))
@@ -104,6 +113,18 @@ class Recipe:
     for flag in ("power_of_two_scales", "fused_cast_transpose", "calibrated"):
       if not isinstance(getattr(self, flag), (bool, np.bool_)):
         raise ValueError(f"Recipe.{flag}={getattr(self, flag)!r} is not allowed; use True or False")
+    if self.granularity not in GRANULARITIES:
+      raise ValueError(f"Recipe.granularity={self.granularity!r} is not allowed; use one of "
+                       f"{list(GRANULARITIES)}")
+    if self.granularity == "rowwise" and self.scaling != "current":
+      raise ValueError(f"Recipe.scaling={self.scaling!r} is not allowed with "
+                       "granularity='rowwise' (each row is scaled by its own amax, current "
+                       "scaling); use scaling='current'")
+
+  @property
+  def rowwise(self) -> bool:
+    """True when GEMM operands are scaled per row (``granularity="rowwise"``)."""
+    return self.granularity == "rowwise"
 
   @property
   def dgrad_fast(self) -> bool:
@@ -170,6 +191,12 @@ class OptLevel:
     least the level's own `zero_stage`."""
     return max(configured, self.zero_stage)
 
+
+# torchao's row-wise training recipe (Float8LinearRecipeName.ROWWISE): every operand of the
+# three GEMMs scaled per row along its contraction, E4M3 for the output gradient too,
+# power-of-two scales, fast accumulation in all three GEMMs.
+ROWWISE = Recipe(granularity="rowwise", scaling="current", bwd_format=E4M3,
+                 power_of_two_scales=True, bwd_fast_accumulation=True)
 
 O0 = OptLevel("O0", None, jnp.float32, jnp.float32, jnp.float32)
 O1 = OptLevel("O1", Recipe(), jnp.float32, jnp.float32, jnp.float32)

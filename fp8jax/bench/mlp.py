@@ -21,6 +21,11 @@ Modes:
   fp8jax_fastbwd     the train recipe with ``bwd_fast_accumulation=True``
   fp8jax_fastdgrad   the train recipe with ``bwd_fast_accumulation="dgrad"`` (weight
                      gradients exact)
+  fp8jax_rowwise     the train recipe with row-wise scaling (``granularity="rowwise"``,
+                     current scaling; :mod:`fp8jax.rowwise`): one scale per row of each
+                     operand along its GEMM's contraction, unit-scale FP8 GEMMs
+  fp8jax_rowwise_torchao  ``fp8jax.recipe.ROWWISE``, torchao's row-wise recipe: E4M3
+                     gradients, power-of-two scales, fast accumulation in all three GEMMs
   fp8jax_gelu_in_cast  the train recipe with the GELU computed inside the second GEMM's FP8
                      input cast (``Fp8DotGeneral(lhs_activation="gelu")``, the model's
                      ``fuse_gelu_into_fp8_cast``)
@@ -35,6 +40,8 @@ Modes:
                      (the layout cuBLASLt's FP8 GEMM reads; no transpose in the program),
                      backward GEMMs exact: the ceiling of the block's FP8 GEMM time
   gemms_fp8_tn_fast  the same with fast accumulation in all six
+  gemms_fp8_rowwise  the six GEMMs of gemms_fp8 with f32 output scaled per row and per
+                     column (row-wise scaling's epilogue), then cast to bf16
 
 Columns: median ms per step, TFLOP/s (the six GEMMs' 12 T D F FLOPs), speed-ups over bf16 and
 over Flax's FP8 op (gemms rows: over gemms_bf16), cuBLASLt FP8 GEMMs in the compiled program,
@@ -55,7 +62,7 @@ from flax.linen import fp8_ops
 from fp8jax.bench import report
 from fp8jax.bench.timing import FP8_GEMM, custom_calls, memory_gib, rel_err, time_calls
 from fp8jax.linen import Fp8DotGeneral, apply_fp8_updates, dense_mlp, dense_mlp_reason
-from fp8jax.recipe import Recipe
+from fp8jax.recipe import ROWWISE, Recipe
 
 SHAPE = (16384, 8192, 28672)  # T, D, F of benchmarks/RESULTS.md
 SMALL_SHAPE = (256, 128, 512)
@@ -65,12 +72,14 @@ TRAIN_RECIPE = Recipe(fused_cast_transpose=True)  # fp8jax train's fp8 section d
 RECIPES = {"fp8jax": TRAIN_RECIPE, "fp8jax_xla": Recipe(),
            "fp8jax_calibrated": TRAIN_RECIPE.replace(calibrated=True),
            "fp8jax_fastbwd": TRAIN_RECIPE.replace(bwd_fast_accumulation=True),
-           "fp8jax_fastdgrad": TRAIN_RECIPE.replace(bwd_fast_accumulation="dgrad")}
+           "fp8jax_fastdgrad": TRAIN_RECIPE.replace(bwd_fast_accumulation="dgrad"),
+           "fp8jax_rowwise": TRAIN_RECIPE.replace(granularity="rowwise", scaling="current"),
+           "fp8jax_rowwise_torchao": ROWWISE}
 GELU_IN_CAST = "fp8jax_gelu_in_cast"
 MLP_OP = "fp8jax_mlp_op"
 BLOCK_MODES = ("bf16", "flax_fp8") + tuple(RECIPES) + (GELU_IN_CAST, MLP_OP)
 GEMM_MODES = ("gemms_bf16", "gemms_fp8", "gemms_fp8_f32out", "gemms_fp8_tn",
-              "gemms_fp8_tn_fast")
+              "gemms_fp8_tn_fast", "gemms_fp8_rowwise")
 MODES = BLOCK_MODES + GEMM_MODES
 DEFAULT_MODES = ("bf16", "flax_fp8", "fp8jax", MLP_OP, "fp8jax_xla", "fp8jax_fastdgrad")
 FLAX_FP8_COLLECTION = fp8_ops.OVERWRITE_WITH_GRADIENT
@@ -224,6 +233,33 @@ def gemms_step(out_dtype):
   return jax.jit(step)
 
 
+def gemms_rowwise_step():
+  """jit of :func:`gemms_step`'s six FP8 GEMMs as row-wise scaling runs them: f32 output
+  times a scale per row and per column (vectors over T, D, F), cast to bf16; backward GEMMs
+  exact."""
+  def mm(a, b, contract, scale_a, scale_b, fast):
+    dn = (((contract[0],), (contract[1],)), ((), ()))
+    precision = jax.lax.Precision.DEFAULT if fast else jax.lax.Precision.HIGHEST
+    y = jax.lax.dot_general(a, b, dn, precision=precision, preferred_element_type=jnp.float32)
+    return (y * scale_a[:, None] * scale_b[None, :]).astype(jnp.bfloat16)
+
+  def step(x, w0, h, w1, gy, gh, s_t, s_d, s_f):
+    return (mm(x, w0, (1, 0), s_t, s_f, True), mm(h, w1, (1, 0), s_t, s_d, True),
+            mm(gy, w1, (1, 1), s_t, s_f, False), mm(gh, w0, (1, 1), s_t, s_d, False),
+            mm(h, gy, (0, 0), s_f, s_d, False), mm(x, gh, (0, 0), s_d, s_f, False))
+  return jax.jit(step)
+
+
+def rowwise_operands(args, key):
+  """The operands of :func:`gemms_rowwise_step` from :func:`gemm_operands`' (x, W0, h, W1,
+  g_y, g_h, scale): the FP8 operands and scale vectors over T, D, F (drawn near 1)."""
+  x, w0, h, w1, gy, gh, _ = args
+  t, d, f = x.shape[0], x.shape[1], w0.shape[1]
+  scales = [1 + 0.1 * jax.random.uniform(k, (n,)) for k, n in
+            zip(jax.random.split(key, 3), (t, d, f))]
+  return (x, w0, h, w1, gy, gh, *scales)
+
+
 def gemms_tn_step(fast_bwd: bool):
   """jit of the six GEMMs of :func:`gemms_step` on operands laid out K-major (TN): forward
   x[T, D] . W0^T[F, D], h[T, F] . W1^T[D, F]; input gradients g_y[T, D] . W1[F, D],
@@ -323,6 +359,8 @@ def gemms_program(mode: str, x, params, key):
   args = gemm_operands(mode, x, params, key)
   if mode.startswith("gemms_fp8_tn"):
     args, step = tn_operands(args), gemms_tn_step(mode == "gemms_fp8_tn_fast")
+  elif mode == "gemms_fp8_rowwise":
+    args, step = rowwise_operands(args, key), gemms_rowwise_step()
   else:
     step = gemms_step(jnp.float32 if mode == "gemms_fp8_f32out" else jnp.bfloat16)
   return step.lower(*args).compile(), args

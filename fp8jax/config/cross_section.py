@@ -66,6 +66,7 @@ class Config(_Section):
     self._check_pipeline()
     self._check_grad_comm()
     self._check_fused_optimizer()
+    self._check_rowwise()
     if self.train.batch_ramp is not None:
       self._check_ramp()
     _refuse_unbuilt(self)
@@ -188,6 +189,21 @@ class Config(_Section):
         _fail(f"train.fused_optimizer=True runs on unsharded arrays (one device); "
               f"parallel.{key}={value!r} is not allowed with it; use {ok!r} or "
               f"train.fused_optimizer false")
+
+  def _check_rowwise(self):
+    """Row-wise scaling (fp8.granularity=rowwise) at a level with FP8 GEMMs: not with ZeRO-3
+    (its weights are gathered as tensor-scaled FP8) nor with fp8.calibrate=always (row-wise
+    scales are current: there is nothing to calibrate)."""
+    if self.fp8.granularity != "rowwise" or not self.train.level.fp8_gemms:
+      return
+    if self.zero_stage() == 3:
+      _fail("fp8.granularity='rowwise' is not supported with parallel.zero_stage=3 (ZeRO-3 "
+            "gathers each weight as one tensor-scaled FP8 cast); use zero_stage <= 2 or "
+            "fp8.granularity 'tensor'")
+    if self.fp8.calibrate == "always":
+      _fail("fp8.calibrate='always' does not apply to fp8.granularity='rowwise' (every row "
+            "is scaled by its own current amax: nothing to calibrate); use calibrate auto or "
+            "never")
 
   def _check_offload(self):
     if self.parallel.offload_optimizer and self.parallel.device_map is not None:

@@ -204,8 +204,10 @@ def weight_cast_fn(config, model, microbatches: int) -> Callable | None:
   FP8 weight casts}`` (``fp8jax.linen.cast_weights`` with `model`'s recipe and compute dtype)
   to cast every weight once for all microbatches; None at O0, with one microbatch (the model
   casts once anyway), with pipeline stages (each stage's GEMMs cast their weights per
-  microbatch) or with the option off."""
+  microbatch), with row-wise scaling (each GEMM casts its weight per column and per row
+  itself) or with the option off."""
   if (not config.fp8.cast_weights_once or getattr(model, "recipe", None) is None
+      or model.recipe.rowwise
       or microbatches < 2  # (a builder's converted module casts per microbatch)
       or config.parallel.pipeline_parallel_size > 1):  # (each stage casts its own layers)
     return None

@@ -229,6 +229,29 @@ def test_mlp_tn_gemms_compute_the_same_products(key):
                                atol=1e-6)
 
 
+def test_mlp_rowwise_modes(key):
+  """The row-wise block modes run on warm FP8 state with FP8-level gradient error; the
+  gemms_fp8_rowwise GEMMs are gemms_fp8_f32out's products scaled per row and column."""
+  table = mlp.measure(*mlp.SMALL_SHAPE, modes=("bf16", "fp8jax_rowwise",
+                                               "fp8jax_rowwise_torchao"),
+                      iters=1, seed=_seed(key), log=lambda m: None)
+  bf16 = table.row("bf16").values["grad_err"]
+  for mode in ("fp8jax_rowwise", "fp8jax_rowwise_torchao"):
+    assert 5 * bf16 < table.row(mode).values["grad_err"] < 0.15, mode
+  t, d, f = mlp.SMALL_SHAPE
+  kx, kp, kg = jax.random.split(key, 3)
+  x = jax.random.normal(kx, (t, d)).astype(jax.numpy.bfloat16)
+  args = mlp.gemm_operands("gemms_fp8", x, mlp.MLP(f, d).init(kp, x)["params"], kg)
+  plain = mlp.gemms_step(jax.numpy.float32)(*args)
+  scaled_args = mlp.rowwise_operands(args, kg)
+  s_t, s_d, s_f = scaled_args[-3:]
+  pairs = ((s_t, s_f), (s_t, s_d), (s_t, s_f), (s_t, s_d), (s_f, s_d), (s_d, s_f))
+  for a, b, (sa, sb) in zip(plain, mlp.gemms_rowwise_step()(*scaled_args), pairs, strict=True):
+    np.testing.assert_allclose(np.asarray(b, np.float32),
+                               np.asarray(a, np.float32) * sa[:, None] * sb[None, :],
+                               rtol=1e-2, atol=1e-6)
+
+
 def test_mlp_op_mode_is_the_same_block(key):
   """fp8jax_mlp_op (the block as one fp8_mlp_chained op, through fp8jax.linen.dense_mlp as in
   the models) has the block's variable trees and computes what fp8jax_gelu_in_cast computes
