@@ -262,21 +262,8 @@ def _uses_fused_kernel(x_shape, x_dtype, g_shape, g_dtype, recipe: Recipe, nativ
 
 
 def _name_cast(name: str, *arrays):
-  """`arrays` (FP8 payloads, f32 scales / amaxes) tagged ``checkpoint_name(.., name)``;
-  values unchanged.
-
-  FP8 payloads are tagged as their uint8 bits: remat rounds saved float residuals with
-  ``reduce_precision(finfo(dtype))``, whose IEEE-style E4M3 (max 240, with inf) turns
-  E4M3FN values above 240 into NaN.
-  """
-  out = []
-  for a in arrays:
-    if jnp.dtype(a.dtype).itemsize == 1:
-      bits = checkpoint_name(lax.bitcast_convert_type(a, jnp.uint8), name)
-      out.append(lax.bitcast_convert_type(bits, a.dtype))
-    else:
-      out.append(checkpoint_name(a, name))
-  return tuple(out)
+  """`arrays` tagged for remat (:func:`fp8jax.scaling.checkpoint_named`)."""
+  return scaling.checkpoint_named(name, *arrays)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))

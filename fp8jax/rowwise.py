@@ -43,7 +43,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 
 from fp8jax import scaling
 from fp8jax.dot_layout import to_vma
@@ -140,18 +139,9 @@ def scaled_mm(a, b, contract: tuple[int, int], scale_a, scale_b, out_dtype, nati
 
 
 def _named(name: str | None, *arrays):
-  """`arrays` tagged ``checkpoint_name(.., name)`` (FP8 payloads as their uint8 bits, as
-  :mod:`fp8jax.dot` tags its casts); unchanged without a name."""
-  if name is None:
-    return arrays
-  out = []
-  for a in arrays:
-    if jnp.dtype(a.dtype).itemsize == 1:
-      bits = checkpoint_name(lax.bitcast_convert_type(a, jnp.uint8), name)
-      out.append(lax.bitcast_convert_type(bits, a.dtype))
-    else:
-      out.append(checkpoint_name(a, name))
-  return tuple(out)
+  """`arrays` tagged for remat (:func:`fp8jax.scaling.checkpoint_named`); unchanged without
+  a name."""
+  return arrays if name is None else scaling.checkpoint_named(name, *arrays)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

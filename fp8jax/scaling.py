@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from fp8jax.recipe import Recipe
 
@@ -178,3 +179,21 @@ def combine_max(a, b):
   update the larger amax alone would give. Never sum FP8 state.
   """
   return jax.tree.map(_combine_meta, a, b, is_leaf=lambda x: isinstance(x, Fp8Meta))
+
+
+def checkpoint_named(name: str, *arrays):
+  """`arrays` (FP8 payloads, f32 scales / amaxes) tagged ``checkpoint_name(.., name)``;
+  values unchanged.
+
+  FP8 payloads are tagged as their uint8 bits: remat rounds saved float residuals with
+  ``reduce_precision(finfo(dtype))``, whose IEEE-style E4M3 (max 240, with inf) turns
+  E4M3FN values above 240 into NaN.
+  """
+  out = []
+  for a in arrays:
+    if jnp.dtype(a.dtype).itemsize == 1:
+      bits = checkpoint_name(lax.bitcast_convert_type(a, jnp.uint8), name)
+      out.append(lax.bitcast_convert_type(bits, a.dtype))
+    else:
+      out.append(checkpoint_name(a, name))
+  return tuple(out)
