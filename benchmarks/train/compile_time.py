@@ -21,13 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+
+from benchmarks.common.isolated import run_isolated  # noqa: E402
 
 PROGRAMS = ("train_step", "fp8_probe", "eval_step")
 
@@ -58,18 +59,11 @@ def run_one(config: str, level: str, overrides: list[str], steps: int,
 
 
 def subprocess_run(args, level: str, cache: str | None) -> dict | None:
-  cmd = [sys.executable, __file__, "--config", args.config, "--one", level,
-         "--steps", str(args.steps)] + (["--cache-dir", cache] if cache else [])
+  argv = ["--config", args.config, "--one", level, "--steps", str(args.steps)] + (
+      ["--cache-dir", cache] if cache else [])
   for s in args.set:
-    cmd += ["--set", s]
-  env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-      filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
-  proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-  line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-  if line is None:
-    print(f"{level}: failed (exit {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
-    return None
-  return json.loads(line[7:])
+    argv += ["--set", s]
+  return run_isolated(__file__, argv, level)
 
 
 def main():

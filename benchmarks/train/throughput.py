@@ -19,11 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+
+from benchmarks.common.isolated import run_isolated  # noqa: E402
 
 
 def time_one(config_path: str, level: str, overrides: list[str], steps: int) -> dict:
@@ -58,18 +59,13 @@ def main():
   runs = [parse_run(r) for r in (a.run or ["O0=O0", "O1=O1"])]
   rows = []
   for label, level, overrides in runs:
-    cmd = [sys.executable, __file__, "--config", a.config, "--one", level,
-           "--steps", str(a.steps)]
+    argv = ["--config", a.config, "--one", level, "--steps", str(a.steps)]
     for s in list(a.set) + overrides:
-      cmd += ["--set", s]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
-    if line is None:
-      print(f"{label}: failed (exit {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
+      argv += ["--set", s]
+    result = run_isolated(__file__, argv, label)
+    if result is None:
       continue
-    rows.append({"label": label, **json.loads(line[7:])})
+    rows.append({"label": label, **result})
     r = rows[-1]
     print(f"{label}: {r['ms']:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s, "
           f"compile {r['compile_s']:.0f} s" + (f"; {r['auto']}" if r["auto"] else ""),
