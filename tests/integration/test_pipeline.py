@@ -112,6 +112,25 @@ def test_pipeline_matches_one_device_in_f32(data, level, stages, data_size, tens
     assert _rel(_flat(fp8), _flat(fp8_ref)) < exact
 
 
+def _one_device(model, variables, tx, batch, k: int):
+  """(init, the one-device step's (state, metrics)): `init()` builds a fresh train state of
+  `variables` (FP8 state included) for `tx`; the reference is the uniform loop's step of `k`
+  microbatches on one device."""
+  def init():
+    return TrainState(jnp.zeros((), jnp.int32), variables["params"],
+                      variables.get(FP8_COLLECTION, {}), tx.init(variables["params"]))
+  return init, jax.jit(make_train_step(model.apply, tx, k))(init(), batch)
+
+
+def _update_error(state, metrics, ref, ref_metrics, variables) -> float:
+  """Asserts the step's loss is the reference's (1e-6); returns the relative error of the
+  parameter update against the reference's."""
+  assert abs(float(metrics["loss"]) - float(ref_metrics["loss"])) < 1e-6 * float(
+      ref_metrics["loss"])
+  p0 = _flat(variables["params"])
+  return _rel(_flat(parallel.to_host(state.params)) - p0, _flat(ref.params) - p0)
+
+
 @pytest.mark.slow
 def test_built_step_with_zero3_matches_one_device(data):
   """``build_step`` on a ZeRO-3 plan over pipe 2 x data 4 (f32 compute, O0, SGD with
@@ -122,11 +141,7 @@ def test_built_step_with_zero3_matches_one_device(data):
   seed, batch, _ = data
   model, variables = _variables("O0", "float32", seed)
   tx = optax.sgd(0.1, momentum=0.9)
-
-  def init():
-    return TrainState(jnp.zeros((), jnp.int32), variables["params"], {},
-                      tx.init(variables["params"]))
-  ref, ref_metrics = jax.jit(make_train_step(model.apply, tx, K))(init(), batch)
+  init, (ref, ref_metrics) = _one_device(model, variables, tx, batch, K)
   mesh = parallel.make_mesh(data=4, pipe=2)
   plan = parallel.plan(init(), mesh, 3, level=opt_level("O0"))
   step = build_step(model.apply, tx, plan, K, PipelineLoop(mesh, model.parts()))
@@ -134,12 +149,8 @@ def test_built_step_with_zero3_matches_one_device(data):
   kernel = state.params["layers"]["mlp"]["fc_in"]["kernel"]
   assert kernel.sharding.spec == P("pipe", None, ("data", "fsdp"))
   assert kernel.addressable_shards[0].data.shape == (2, 32, 16)
-  assert abs(float(metrics["loss"]) - float(ref_metrics["loss"])) < 1e-6 * float(
-      ref_metrics["loss"])
-  host = lambda tree: _flat(parallel.to_host(tree))
-  p0 = _flat(variables["params"])
-  assert _rel(host(state.params) - p0, _flat(ref.params) - p0) < 1e-5  # the update
-  assert _rel(host(state.opt_state), _flat(ref.opt_state)) < 1e-5  # the momentum
+  assert _update_error(state, metrics, ref, ref_metrics, variables) < 1e-5  # the update
+  assert _rel(_flat(parallel.to_host(state.opt_state)), _flat(ref.opt_state)) < 1e-5
 
 
 @pytest.mark.parametrize("family, count", [("gpt", 2), ("llama", None)])
@@ -157,21 +168,12 @@ def test_built_step_with_a_ramp_or_llama_matches_one_device(data, family, count)
   k = K if count is None else count
   batch = batch[:k * MB]
   tx = optax.sgd(0.1, momentum=0.9)
-
-  def init():
-    return TrainState(jnp.zeros((), jnp.int32), variables["params"], {},
-                      tx.init(variables["params"]))
-  ref, ref_metrics = jax.jit(make_train_step(model.apply, tx, k))(init(), batch)
+  init, (ref, ref_metrics) = _one_device(model, variables, tx, batch, k)
   mesh = parallel.make_mesh(data=4, pipe=2)
   plan = parallel.plan(init(), mesh, 1, level=opt_level("O0"))
   loop = PipelineLoop(mesh, model.parts(), microbatch_size=MB, dynamic=count is not None)
-  step = build_step(model.apply, tx, plan, K, loop)
-  state, metrics = step(plan.shard_state(init()), batch)
-  assert abs(float(metrics["loss"]) - float(ref_metrics["loss"])) < 1e-6 * float(
-      ref_metrics["loss"])
-  host = lambda tree: _flat(parallel.to_host(tree))
-  p0 = _flat(variables["params"])
-  assert _rel(host(state.params) - p0, _flat(ref.params) - p0) < 1e-5  # the update
+  state, metrics = build_step(model.apply, tx, plan, K, loop)(plan.shard_state(init()), batch)
+  assert _update_error(state, metrics, ref, ref_metrics, variables) < 1e-5  # the update
 
 
 @pytest.mark.parametrize("level, grad_comm", [("O0", "native"), ("O1", "fp8")])
@@ -186,21 +188,14 @@ def test_pipeline_replicas_with_their_own_counts_match_one_device(data, level, g
   model, variables = _variables(level, "float32" if level == "O0" else "bfloat16", seed)
   batch = batch[:sum(counts) * 2]
   tx = optax.sgd(0.1)
-
-  def init():
-    return TrainState(jnp.zeros((), jnp.int32), variables["params"],
-                      variables.get(FP8_COLLECTION, {}), tx.init(variables["params"]))
-  ref, ref_metrics = jax.jit(make_train_step(model.apply, tx, sum(counts)))(init(), batch)
+  init, (ref, ref_metrics) = _one_device(model, variables, tx, batch, sum(counts))
   mesh = parallel.make_mesh(data=4, pipe=2)
   plan = parallel.plan(init(), mesh, 1, level=opt_level(level))
   loop = GroupLoop(mesh, grad_comm=grad_comm, parts=model.parts(), counts=lambda k: counts,
                    microbatch_size=2, schedule="gpipe")
   state, metrics = build_step(model.apply, tx, plan, sum(counts), loop)(
       plan.shard_state(init()), batch)
-  assert abs(float(metrics["loss"]) - float(ref_metrics["loss"])) < 1e-6 * float(
-      ref_metrics["loss"])
-  p0 = _flat(variables["params"])
-  err = _rel(_flat(parallel.to_host(state.params)) - p0, _flat(ref.params) - p0)
+  err = _update_error(state, metrics, ref, ref_metrics, variables)
   if grad_comm == "native":
     assert err < 1e-5, err
   else:  # one E4M3 rounding of each replica's sum (measured 2.6%)
