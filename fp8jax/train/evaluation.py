@@ -16,18 +16,17 @@ from typing import Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from fp8jax import fsdp
 from fp8jax.linen import FP8_COLLECTION, apply_fp8_updates
 from fp8jax.parallel import layout
-from fp8jax.parallel import pipeline as pipeline_lib
 from fp8jax.parallel.zero import ZeroPlan
 from fp8jax.train import health as health_lib
 from fp8jax.train.calibration import calibrated_scales
 from fp8jax.train.state import TrainState
-from fp8jax.train.step import PipelineLoop, next_token_loss, scan_microbatches
+from fp8jax.train.loss import next_token_loss
+from fp8jax.train.step import PipelineLoop, eval_loss_fn, scan_microbatches
 
 
 def _variables(params, fp8, matrix_dtype) -> dict:
@@ -55,15 +54,7 @@ def make_eval_loop(apply_fn: Callable, microbatches: int, *,
   ZeRO-3's (the model gathers its parameters at use); `pipeline`: each microbatch runs
   forward through the pipeline stages (``fp8jax.parallel.pipeline.pipeline_loss``);
   `matrix_dtype`: as for ``fp8jax.train.step.make_train_step``."""
-  def microbatch_loss(variables, part):
-    if pipeline is not None:
-      stacked, shared = pipeline.parts.split(variables)
-      parts = lax.with_sharding_constraint(
-          part[None], NamedSharding(pipeline.mesh, P(None, layout.group_axes(pipeline.mesh))))
-      return pipeline_lib.pipeline_loss(pipeline.stage_fns(), pipeline.mesh, stacked, shared,
-                                        parts)
-    with fsdp.gathering(weight_gather):
-      return next_token_loss(apply_fn, variables, part)
+  microbatch_loss = eval_loss_fn(apply_fn, weight_gather, pipeline)
 
   def eval_step(params, fp8, batch, count):
     variables = _variables(params, fp8, matrix_dtype)  # decoded once, for every microbatch

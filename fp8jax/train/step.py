@@ -59,7 +59,7 @@ from fp8jax.train.state import TrainState
 from fp8jax.train.update import apply_gradients
 
 __all__ = ["GroupLoop", "Loop", "PipelineLoop", "TrainStep", "UniformLoop", "apply_gradients",
-           "build_step", "cross_entropy", "group_microbatches", "make_eval_step",
+           "build_step", "cross_entropy", "eval_loss_fn", "group_microbatches", "make_eval_step",
            "make_train_step", "microbatch_count", "next_token_loss", "pad_to",
            "pipeline_microbatches", "scan_microbatches", "stages_of"]
 
@@ -220,22 +220,30 @@ def _uniform_step(grad_fn, tx, microbatches: int, fused_update, cast_weights, ma
   return uniform_step
 
 
-def make_eval_step(apply_fn: Callable, weight_gather: fsdp.WeightGather | None = None,
-                   pipeline: PipelineLoop | None = None):
-  """A jittable ``eval_step(state, batch) -> mean loss`` (FP8 state is not updated);
-  `weight_gather`: as for :func:`make_train_step` (ZeRO-3: parameters gathered at use);
-  `pipeline`: the batch runs through the pipeline stages as one microbatch, forwards only
+def eval_loss_fn(apply_fn: Callable, weight_gather: fsdp.WeightGather | None = None,
+                 pipeline: PipelineLoop | None = None) -> Callable:
+  """``(variables, batch int32[B, T+1]) -> mean loss`` forwards only (FP8 state is not
+  updated); `weight_gather`: as for :func:`make_train_step` (ZeRO-3: parameters gathered at
+  use); `pipeline`: the batch runs through the pipeline stages as one microbatch
   (``fp8jax.parallel.pipeline.gpipe_loss``; `weight_gather` does not apply)."""
-  def eval_step(state, batch):
+  def loss(variables, batch):
     if pipeline is not None:
-      stacked, shared = pipeline.parts.split(state.variables())
+      stacked, shared = pipeline.parts.split(variables)
       parts = lax.with_sharding_constraint(
           batch[None], NamedSharding(pipeline.mesh, P(None, layout.group_axes(pipeline.mesh))))
       return pipeline_lib.pipeline_loss(pipeline.stage_fns(), pipeline.mesh, stacked, shared,
                                         parts)
     with fsdp.gathering(weight_gather):
-      return next_token_loss(apply_fn, state.variables(), batch)
-  return eval_step
+      return next_token_loss(apply_fn, variables, batch)
+  return loss
+
+
+def make_eval_step(apply_fn: Callable, weight_gather: fsdp.WeightGather | None = None,
+                   pipeline: PipelineLoop | None = None):
+  """A jittable ``eval_step(state, batch) -> mean loss``: :func:`eval_loss_fn` of the
+  state's variables."""
+  loss = eval_loss_fn(apply_fn, weight_gather, pipeline)
+  return lambda state, batch: loss(state.variables(), batch)
 
 
 Loop = UniformLoop | GroupLoop | PipelineLoop
