@@ -40,12 +40,14 @@ nothing in the unconverted model): `convert` says so when it is missing.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
+import inspect
 import math
 import re
 from collections.abc import MutableMapping, MutableSequence
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import flax.linen as nn
 import jax
@@ -515,19 +517,46 @@ def _linen_interceptor(plan: Mapping[str, Recipe | None], amax_axes: tuple[str, 
   return intercept
 
 
+def _user_methods(base: type) -> list[str]:
+  """Names of the public methods `base` and its bases below ``nn.Module`` define (the ones a
+  caller may ``apply`` by name), and ``__call__``."""
+  names = {"__call__"}
+  for klass in base.__mro__:
+    if not issubclass(klass, nn.Module) or klass is nn.Module:
+      continue
+    names.update(n for n, attr in vars(klass).items()
+                 if not n.startswith("_") and n != "setup" and inspect.isfunction(attr))
+  return sorted(names)
+
+
+_INTERCEPTING = contextvars.ContextVar("fp8jax_convert_intercepting", default=False)
+
+
+def _intercepted(method: Callable, plan, amax_axes) -> Callable:
+  """`method` run under the FP8 interceptor (once: a converted method called from another
+  runs inside the outer one's interceptor)."""
+  @functools.wraps(method)  # keeps flax's method wrapper markers: not wrapped again
+  def run(self, *args, **kwargs):
+    if _INTERCEPTING.get():
+      return method(self, *args, **kwargs)
+    root = len(self.path) if self.scope is not None else 0  # also as a submodule
+    token = _INTERCEPTING.set(True)
+    try:
+      with nn.intercept_methods(_linen_interceptor(plan, amax_axes, root)):
+        return method(self, *args, **kwargs)
+    finally:
+      _INTERCEPTING.reset(token)
+  return run
+
+
 def _converted_linen_module(model: nn.Module, plan: Mapping[str, Recipe | None],
                             amax_axes: tuple[str, ...]) -> nn.Module:
-  """A copy of `model` whose class runs ``__call__`` under the FP8 interceptor."""
+  """A copy of `model` whose class runs ``__call__`` and its other public methods (``apply(...,
+  method=name)``) under the FP8 interceptor."""
   base = type(model)
-  base_call = base.__call__
-
-  @functools.wraps(base_call)  # keeps flax's method wrapper markers: not wrapped again
-  def __call__(self, *args, **kwargs):
-    root = len(self.path) if self.scope is not None else 0  # also as a submodule
-    with nn.intercept_methods(_linen_interceptor(plan, amax_axes, root)):
-      return base_call(self, *args, **kwargs)
-
-  cls = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__,
+  methods = {name: _intercepted(getattr(base, name), plan, amax_axes)
+             for name in _user_methods(base)}
+  cls = type(base.__name__, (base,), {**methods, "__module__": base.__module__,
                                        "__qualname__": base.__qualname__, _PLAN_ATTR: plan})
   fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)
             if f.init and f.name != "parent"}

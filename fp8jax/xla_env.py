@@ -11,6 +11,12 @@ touches a device; the ``fp8jax`` command does.
   XLA autotunes Triton kernels for every GEMM shape of the first compile (a minute or more
   at the configs' sizes), and the FP8 and BF16 GEMMs of fp8jax's models are cuBLAS(Lt)'s
   anyway. XLA's CPU backend parses the flag and ignores it.
+* ``--xla_cpu_enable_concurrency_optimized_scheduler=false``: on CPU devices (tests, and
+  rehearsing a multi-device run on one machine), XLA's concurrency-optimized scheduler lets
+  the devices' threads enter independent collectives in different orders; with few cores
+  such a step (seen: a pipeline with FP8 gradient communication and ZeRO stage 1 or 2 at
+  O2) deadlocks until XLA's 40 s rendezvous timeout aborts the process. XLA's GPU backend
+  parses the flag and ignores it.
 
 This module imports only the standard library, so importing it cannot start a backend.
 """
@@ -20,7 +26,8 @@ import os
 from typing import Mapping, MutableMapping
 
 OPT_OUT = "FP8JAX_NO_XLA_DEFAULTS"
-DEFAULT_FLAGS = ("--xla_gpu_enable_triton_gemm=false",)
+DEFAULT_FLAGS = ("--xla_gpu_enable_triton_gemm=false",
+                 "--xla_cpu_enable_concurrency_optimized_scheduler=false")
 
 _APPLIED: tuple[str, ...] = ()
 
@@ -70,4 +77,5 @@ def applied_line() -> str | None:
   if not _APPLIED:
     return None
   return (f"XLA_FLAGS += {' '.join(_APPLIED)} (set by fp8jax: cuBLAS runs every GEMM, no "
-          f"Triton autotuning; {OPT_OUT}=1 or your own XLA_FLAGS value keeps XLA's defaults)")
+          f"Triton autotuning; CPU devices enter collectives in one order; {OPT_OUT}=1 or your "
+          f"own XLA_FLAGS value keeps XLA's defaults)")

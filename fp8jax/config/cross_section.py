@@ -15,7 +15,7 @@ from fp8jax.config.sections import (BatchRamp, CheckpointSection, DataSection, F
                                     ModelSection, ParallelSection, RuntimeSection, TrainSection)
 from fp8jax.config.validation import _Section, _fail, _levels, _short
 from fp8jax.data import BYTE_VOCAB
-from fp8jax.models.family import FAMILIES, family as model_family
+from fp8jax.models.family import family as model_family
 from fp8jax.parallel import layout_rules
 from fp8jax.parallel.collectives import GROWTH_INTERVAL
 from fp8jax.parallel.layout_rules import Layout
@@ -63,7 +63,6 @@ class Config(_Section):
     self._check_data_fits_model()
     self._check_offload()
     self._check_tensor_parallel()
-    self._check_pipeline()
     self._check_grad_comm()
     self._check_fused_optimizer()
     self._check_rowwise()
@@ -118,18 +117,6 @@ class Config(_Section):
     if self.parallel.device_map is not None:
       _fail(f"parallel.tensor_parallel_size={tp} with parallel.device_map is not supported yet "
             "(the balanced step replicates the weights in each group); drop one of them")
-
-  def _check_pipeline(self):
-    """Pipeline stages (``fp8jax.parallel.pipeline``): the reference families only (layers
-    and microbatches per stage: ``fp8jax.parallel.layout_rules``)."""
-    pp = self.parallel.pipeline_parallel_size
-    if pp == 1:
-      return
-    where = f"parallel.pipeline_parallel_size={pp}"
-    if self.model.builder is not None:
-      _fail(f"{where} with model.builder={self.model.builder!r} is not supported: the "
-            f"pipeline cuts the model into embedding, layer stack and head, which only the "
-            f"reference families ({', '.join(FAMILIES)}) expose; use pipeline_parallel_size 1")
 
   def grad_comm(self) -> str:
     """How the run reduces gradients: "fp8" or "native". "auto" resolves to "native" (the

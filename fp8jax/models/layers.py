@@ -48,6 +48,7 @@ from fp8jax.kernels.cast_transpose import activate
 from fp8jax.linen import (CALIBRATION_COLLECTION, HEALTH_COLLECTION, PERTURBATIONS,
                           WEIGHT_CAST_COLLECTION, DotGeneral, Fp8DotGeneral, dense_mlp,
                           dense_mlp_reason)
+from fp8jax.models.stack_parts import merge_stack, split_stack
 
 DTYPES = ("bfloat16", "float32", "float16")
 PARAM_DTYPES = ("float32", "bfloat16")
@@ -572,16 +573,13 @@ class DecoderParts:
     return jnp.dtype(self.model.config.dtype)
 
   def split(self, variables) -> tuple[dict, dict]:
-    """(stacked, shared) of `variables`."""
-    stacked = _sub(variables, "layers")
-    shared = {c: {k: x for k, x in v.items() if k != "layers"} for c, v in variables.items()}
-    return stacked, shared
+    """(stacked, shared) of `variables` (``fp8jax.models.stack_parts.split_stack``)."""
+    return split_stack(variables)
 
   def merge(self, stacked, shared) -> dict:
     """The variables (or gradients) tree of a (stacked, shared) pair: :meth:`split`'s
     inverse."""
-    return {c: {**v, **({"layers": stacked[c]} if c in stacked else {})}
-            for c, v in shared.items()}
+    return merge_stack(stacked, shared)
 
   def embed(self, shared, tokens) -> jax.Array:
     """tokens int[B, T] -> x[B, T, D] in the compute dtype."""

@@ -289,6 +289,13 @@ def pipeline_loop(config, plan: ZeroPlan, model) -> PipelineLoop | None:
   if config.parallel.pipeline_parallel_size == 1:
     return None
   t = config.train
+  if not callable(getattr(model, "parts", None)):
+    raise ValueError(
+        f"parallel.pipeline_parallel_size={config.parallel.pipeline_parallel_size} with "
+        f"model.builder={config.model.builder!r}: the pipeline cuts the model into embedding, "
+        f"layer stack and head, and this {type(model).__name__} has no parts(); give the linen "
+        f"module embed/blocks/head methods, an nn.scan named 'layers' and parts() returning "
+        f"fp8jax.models.StackParts (docs/models.md), or use pipeline_parallel_size 1")
   return PipelineLoop(plan.mesh, model.parts(), config.parallel.pipeline_schedule,
                       microbatch_size=t.microbatch_size, dynamic=t.batch_ramp is not None,
                       matrix_dtype=matrix_dtype(config))

@@ -1,10 +1,12 @@
 """A user's own Flax linen language model for ``model.builder`` tests: plain nn.Embed,
-nn.Dense, nn.DenseGeneral and nn.Einsum layers, nothing of fp8jax."""
+nn.Dense, nn.DenseGeneral and nn.Einsum layers (TinyStackLM also cuts itself for pipeline
+stages with fp8jax.models.StackParts)."""
 import flax.linen as nn
 from flax import nnx
 import jax
 import jax.numpy as jnp
 
+from fp8jax.models import StackParts
 from fp8jax.train import UserModel
 
 
@@ -53,3 +55,46 @@ class TinyNnxLM(nnx.Module):
 
 def tiny_nnx_lm(vocab: int = 256, width: int = 32):
   return TinyNnxLM(vocab, width)
+
+
+class _StackBlock(nn.Module):
+  width: int
+
+  @nn.compact
+  def __call__(self, x, _):
+    h = nn.Dense(2 * self.width, name="up")(nn.LayerNorm(name="norm")(x))
+    return x + nn.Dense(self.width, name="down")(jax.nn.gelu(h)), None
+
+
+class TinyStackLM(nn.Module):
+  """A user's LM cut for pipeline stages (fp8jax.models.stack_parts's contract): embed /
+  blocks / head methods, the blocks an nn.scan named "layers" of `depth` layers."""
+  vocab: int = 256
+  width: int = 32
+  depth: int = 2
+
+  def setup(self):
+    self.tok = nn.Embed(self.vocab, self.width)
+    self.layers = nn.scan(_StackBlock, variable_axes={True: 0}, split_rngs={"params": True},
+                          length=self.depth)(self.width)
+    self.final_norm = nn.LayerNorm()
+    self.out = nn.Dense(self.vocab)
+
+  def embed(self, tokens):
+    return self.tok(tokens)
+
+  def blocks(self, x):
+    return self.layers(x, None)[0]
+
+  def head(self, x):
+    return self.out(self.final_norm(x)).astype(jnp.float32)
+
+  def __call__(self, tokens):
+    return self.head(self.blocks(self.embed(tokens)))
+
+  def parts(self):
+    return StackParts(self, layer_field="depth")
+
+
+def tiny_stack_lm(vocab: int = 256, width: int = 32, depth: int = 2):
+  return TinyStackLM(vocab, width, depth)

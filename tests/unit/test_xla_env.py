@@ -1,5 +1,6 @@
-"""XLA flags set by `import fp8jax`: --xla_gpu_enable_triton_gemm=false appended to XLA_FLAGS
-before any backend starts, unless the user's XLA_FLAGS names the flag or they opt out."""
+"""XLA flags set by `import fp8jax` (no Triton GEMMs; CPU devices enter collectives in one
+order) appended to XLA_FLAGS before any backend starts, unless the user's XLA_FLAGS names a
+flag or they opt out."""
 import ast
 import os
 import subprocess
@@ -10,26 +11,31 @@ import pytest
 from fp8jax import xla_env
 
 FLAG = "--xla_gpu_enable_triton_gemm=false"
+CPU_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+BOTH = f"{FLAG} {CPU_FLAG}"
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
-@pytest.mark.parametrize("environ,expected", [
-    ({}, FLAG),
-    ({"XLA_FLAGS": "--xla_dump_to=/tmp/x"}, f"--xla_dump_to=/tmp/x {FLAG}"),
-    ({"XLA_FLAGS": "  "}, FLAG),
-    ({"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=true"}, "--xla_gpu_enable_triton_gemm=true"),
-    ({"XLA_FLAGS": "--xla_gpu_enable_triton_gemm"}, "--xla_gpu_enable_triton_gemm"),
-    ({xla_env.OPT_OUT: "1"}, None),
-    ({xla_env.OPT_OUT: "yes", "XLA_FLAGS": "--a=1"}, "--a=1"),
-    ({xla_env.OPT_OUT: "0"}, FLAG),
-    ({xla_env.OPT_OUT: "false"}, FLAG),
-    ({xla_env.OPT_OUT: ""}, FLAG),
+@pytest.mark.parametrize("environ,expected,added", [
+    ({}, BOTH, (FLAG, CPU_FLAG)),
+    ({"XLA_FLAGS": "--xla_dump_to=/tmp/x"}, f"--xla_dump_to=/tmp/x {BOTH}", (FLAG, CPU_FLAG)),
+    ({"XLA_FLAGS": "  "}, BOTH, (FLAG, CPU_FLAG)),
+    ({"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=true"},
+     f"--xla_gpu_enable_triton_gemm=true {CPU_FLAG}", (CPU_FLAG,)),
+    ({"XLA_FLAGS": "--xla_gpu_enable_triton_gemm"}, f"--xla_gpu_enable_triton_gemm {CPU_FLAG}",
+     (CPU_FLAG,)),
+    ({"XLA_FLAGS": "--xla_cpu_enable_concurrency_optimized_scheduler=true"},
+     f"--xla_cpu_enable_concurrency_optimized_scheduler=true {FLAG}", (FLAG,)),
+    ({xla_env.OPT_OUT: "1"}, None, ()),
+    ({xla_env.OPT_OUT: "yes", "XLA_FLAGS": "--a=1"}, "--a=1", ()),
+    ({xla_env.OPT_OUT: "0"}, BOTH, (FLAG, CPU_FLAG)),
+    ({xla_env.OPT_OUT: "false"}, BOTH, (FLAG, CPU_FLAG)),
+    ({xla_env.OPT_OUT: ""}, BOTH, (FLAG, CPU_FLAG)),
 ])
-def test_flags_added_to_an_environment(environ, expected):
+def test_flags_added_to_an_environment(environ, expected, added):
   env = dict(environ)
-  added = xla_env.apply_xla_defaults(env)
+  assert xla_env.apply_xla_defaults(env) == added
   assert env.get("XLA_FLAGS") == expected
-  assert added == ((FLAG,) if expected and FLAG in expected else ())
   assert xla_env.apply_xla_defaults(env) == () and env.get("XLA_FLAGS") == expected  # once
 
 
@@ -55,16 +61,16 @@ def test_import_sets_the_flag_before_the_backend_starts():
   """After `import fp8jax` XLA_FLAGS holds the flag, and no backend has started yet: a flag
   added after the import still takes effect (3 CPU devices), so XLA reads fp8jax's too."""
   flags, devices = _import_fp8jax({})
-  assert flags == FLAG and devices == "3"
+  assert flags == BOTH and devices == "3"
   flags, _ = _import_fp8jax({"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=true"})
-  assert flags == "--xla_gpu_enable_triton_gemm=true"
+  assert flags == f"--xla_gpu_enable_triton_gemm=true {CPU_FLAG}"
   flags, _ = _import_fp8jax({xla_env.OPT_OUT: "1"})
   assert flags == ""
 
 
 def test_applied_line_names_the_flag_and_the_way_out(monkeypatch):
-  monkeypatch.setattr(xla_env, "_APPLIED", (FLAG,))
+  monkeypatch.setattr(xla_env, "_APPLIED", (FLAG, CPU_FLAG))
   line = xla_env.applied_line()
-  assert FLAG in line and f"{xla_env.OPT_OUT}=1" in line
+  assert FLAG in line and CPU_FLAG in line and f"{xla_env.OPT_OUT}=1" in line
   monkeypatch.setattr(xla_env, "_APPLIED", ())
   assert xla_env.applied_line() is None
