@@ -29,7 +29,7 @@ def cell_config(cell: dict, run_dir: str = "/tmp/unused", steps: int = 2):
   if cell["model"] == "llama":
     model.update(family="llama", n_kv_heads=1)
   elif cell["model"] == "builder":
-    model = {"builder": "builder_models:tiny_lm", "builder_args": {"width": 32}}
+    model = {"builder": "builder_models:tiny_stack_lm", "builder_args": {"width": 32}}
   train = {"steps": steps, "batch_size": 16, "microbatches": 2, "warmup_steps": 1,
            "eval_every": 0, "eval_batches": 1, "log_every": 1, "fp8_health_every": 0,
            "opt_level": cell["level"]}
