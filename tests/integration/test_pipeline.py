@@ -323,10 +323,6 @@ def test_microbatches_fewer_than_stages_are_refused(data):
      r"pipeline_parallel_size=2 does not divide model.n_layers=3"),
     ({"parallel": {"pipeline_parallel_size": 4}},
      r"pipeline_parallel_size=4 needs train.microbatches >= 4 .* got train.microbatches=1"),
-    ({"model": {"builder": "builder_models:tiny_lm"}, "train": {"microbatches": 2},
-      "parallel": {"pipeline_parallel_size": 2}},
-     r"pipeline_parallel_size=2 with model.builder='builder_models:tiny_lm' is not "
-     r"supported"),
     ({"train": {"microbatches": 2, "fused_optimizer": True, "opt_level": "O2"},
       "parallel": {"pipeline_parallel_size": 2}},
      r"parallel.pipeline_parallel_size=2 is not allowed with it"),
