@@ -63,6 +63,7 @@ class Config(_Section):
     self._check_data_fits_model()
     self._check_offload()
     self._check_tensor_parallel()
+    self._check_pipeline_layers()
     self._check_grad_comm()
     self._check_fused_optimizer()
     self._check_rowwise()
@@ -129,6 +130,17 @@ class Config(_Section):
     ``fp8jax.parallel.collectives.GROWTH_INTERVAL``)."""
     g = self.parallel.grad_comm_growth_interval
     return GROWTH_INTERVAL if g is None else g
+
+  def _check_pipeline_layers(self):
+    """An explicit ``parallel.pipeline_layers`` list sums to the model's layers (a builder's
+    is checked when its model is built)."""
+    layers = self.parallel.pipeline_layers
+    if isinstance(layers, str) or self.model.builder is not None:
+      return
+    n = self.model.model_config().n_layers
+    if sum(layers) != n:
+      _fail(f"parallel.pipeline_layers={list(layers)} sums to {sum(layers)}, but the model has "
+            f"model.n_layers={n}; give counts that sum to {n}")
 
   def _check_grad_comm(self):
     p = self.parallel

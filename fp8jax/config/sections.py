@@ -277,6 +277,10 @@ class ParallelSection(_Section):
   pipeline_parallel_size: int = _field(1, _ge(1))
   # GPipe (k inputs kept per stage) or lockstep 1F1B (2P-1 kept, larger bubble)
   pipeline_schedule: str = _field("gpipe", _one_of("gpipe", "1f1b"))
+  # Layers each stage runs: "auto" (in proportion to each stage's speed from device_map, its
+  # slowest device's kind; even without device_map or when the stages are alike), "even", or
+  # a list of one count >= 1 per stage summing to the layers (fp8jax.parallel.pipeline).
+  pipeline_layers: str | list = "auto"
   device_map: dict | str | None = None  # kind -> throughput / profile: balanced microbatches
   # The kind of each device by index ("4xA100+4xH100" or a list): a mixed cluster rehearsed on
   # identical devices (e.g. 8 CPU devices); the balancer reads these kinds (needs device_map).
@@ -302,6 +306,12 @@ class ParallelSection(_Section):
         device_map.parse_kinds(self.device_kinds)
     except ValueError as e:
       _fail(str(e))
+    layers = self.pipeline_layers
+    if not (layers in ("auto", "even") or (
+        isinstance(layers, (list, tuple)) and len(layers) == self.pipeline_parallel_size
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in layers))):
+      _fail(f"parallel.pipeline_layers={layers!r} is not allowed; use 'auto', 'even' or a list "
+            f"of {self.pipeline_parallel_size} layer counts >= 1, one per pipeline stage")
     if self.device_kinds is not None and self.device_map is None:
       _fail("parallel.device_kinds only tells the balancer each device's kind; it needs "
             "parallel.device_map (kind -> throughput), e.g. {A100: 0.45, H100: 1.0}")

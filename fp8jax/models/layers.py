@@ -572,6 +572,11 @@ class DecoderParts:
     """The dtype the model computes its GEMMs in."""
     return jnp.dtype(self.model.config.dtype)
 
+  @property
+  def n_layers(self) -> int:
+    """The layers of the stack."""
+    return self.model.config.n_layers
+
   def split(self, variables) -> tuple[dict, dict]:
     """(stacked, shared) of `variables` (``fp8jax.models.stack_parts.split_stack``)."""
     return split_stack(variables)

@@ -81,6 +81,11 @@ class StackParts:
                        f"{value!r}, not a layer count; name the field that sets the length of "
                        f"its nn.scan {STACK!r} (layer_field=...)")
 
+  @property
+  def n_layers(self) -> int:
+    """The layers of the stack (the module's `layer_field`)."""
+    return getattr(self.module, self.layer_field)
+
   def split(self, variables) -> tuple[dict, dict]:
     """(stacked, shared) of `variables` (:func:`split_stack`)."""
     return split_stack(variables)

@@ -14,6 +14,13 @@ A model is cut into three functions (the reference decoder's cut:
 "pipe" along their layer axis (:func:`pipe_dim`: stage s holds layers [s L/P, (s+1) L/P));
 `shared` the other variables, whole on every stage.
 
+Stages may run unequal numbers of layers (``stage_layers`` (L_0, ..., L_{P-1}), e.g. in
+proportion to each stage's speed on a cluster of mixed GPU kinds: :func:`split_layers`). The
+layers stay stored L/P per stage; for the step they are laid out P x max(L_s) (stage s's
+layers first in its slice, the rest padding: :func:`padded_layout`), stage s runs only its
+first L_s (``lax.switch`` on the stage index: :func:`uneven`), and the gradients come back
+in the stored order.
+
 The schedule (:func:`gpipe`, inside ``jax.shard_map`` manual over "pipe", other mesh axes
 ``Auto``, so data/ZeRO/tensor sharding composes through XLA's partitioner as in the uniform
 step): k >= P microbatches, P stages.
@@ -48,6 +55,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -99,6 +107,80 @@ def check_schedule(schedule: str) -> str:
     raise ValueError(f"pipeline schedule {schedule!r} is not allowed; use one of "
                      f"{list(SCHEDULES)}")
   return schedule
+
+
+def split_layers(n_layers: int, stage_seconds) -> tuple[int, ...]:
+  """Layers per stage (each >= 1, summing to `n_layers`) that minimise the slowest stage's
+  time, stage s taking `stage_seconds[s]` (any unit) per layer: one layer each, then every
+  further layer to the stage that would finish it first (ties: the earlier stage)."""
+  seconds = [float(x) for x in stage_seconds]
+  if not seconds or any(not x > 0 for x in seconds):
+    raise ValueError(f"stage_seconds={stage_seconds!r}: give one time > 0 per stage")
+  if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < len(seconds):
+    raise ValueError(f"{n_layers!r} layers do not fill {len(seconds)} pipeline stages")
+  layers = [1] * len(seconds)
+  for _ in range(n_layers - len(seconds)):
+    s = min(range(len(seconds)), key=lambda i: ((layers[i] + 1) * seconds[i], i))
+    layers[s] += 1
+  return tuple(layers)
+
+
+def check_stage_layers(stage_layers, stages: int, n_layers: int) -> tuple[int, ...]:
+  """`stage_layers` as a tuple if it gives each of `stages` stages >= 1 layer and sums to
+  `n_layers`; else ValueError."""
+  ok = (isinstance(stage_layers, (list, tuple)) and len(stage_layers) == stages
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                for n in stage_layers) and sum(stage_layers) == n_layers)
+  if not ok:
+    raise ValueError(f"layers per stage {stage_layers!r} do not split {n_layers} layers over "
+                     f"{stages} stages; give {stages} integers >= 1 summing to {n_layers}")
+  return tuple(stage_layers)
+
+
+def padded_layout(stage_layers) -> tuple[np.ndarray, np.ndarray]:
+  """(src, inv) for layers L = sum(`stage_layers`) run L_s by stage s: the padded stack
+  ``stacked[src]`` is [P * max(L_s), ...] with stage s's layers first in its slice (padding
+  slots repeat its last layer and never run), and ``padded[inv]`` is the stack again (the
+  gradients' way back)."""
+  width = max(stage_layers)
+  src, inv, start = [], [], 0
+  for s, n in enumerate(stage_layers):
+    src += list(range(start, start + n)) + [start + n - 1] * (width - n)
+    inv += [s * width + j for j in range(n)]
+    start += n
+  return np.asarray(src, np.int32), np.asarray(inv, np.int32)
+
+
+def uneven(fns: Stages, stage_layers, axis: str = PIPE) -> Stages:
+  """`fns` whose stage function runs stage s's first ``stage_layers[s]`` layers of its slice
+  of the padded stack (:func:`padded_layout`; inside ``shard_map`` manual over `axis`)."""
+  def first(n):
+    return lambda stacked, x: fns.stage(jax.tree.map(lambda a: a[:n], stacked), x)
+  branches = [first(n) for n in stage_layers]
+
+  def stage(stacked, x):
+    return lax.switch(lax.axis_index(axis), branches, stacked, x)
+  return Stages(fns.first, stage, fns.last)
+
+
+def pad_stack(stacked, stage_layers):
+  """`stacked` [L, ...] laid out for uneven stages (:func:`padded_layout`), or as it is
+  (`stage_layers` None)."""
+  if stage_layers is None:
+    return stacked
+  check_stage_layers(tuple(stage_layers), len(stage_layers),
+                     int(jax.tree.leaves(stacked)[0].shape[0]))
+  src = padded_layout(stage_layers)[0]
+  return jax.tree.map(lambda a: a[src], stacked)
+
+
+def unpad_stack(g_stacked, stage_layers):
+  """:func:`pad_stack`'s inverse for gradients [P * max(L_s), ...] -> [L, ...] (padding
+  slots dropped)."""
+  if stage_layers is None:
+    return g_stacked
+  inv = padded_layout(stage_layers)[1]
+  return jax.tree.map(lambda a: a[inv], g_stacked)
 
 
 def bubble_fraction(stages: int, microbatches: int, schedule: str = "gpipe") -> float:
@@ -320,31 +402,46 @@ def _stages_of(mesh: Mesh, axis: str) -> int:
   return pipe_size(mesh) if axis == PIPE else int(mesh.shape[axis])
 
 
-def pipeline_loss(fns: Stages, mesh: Mesh, stacked, shared, parts, *, axis: str = PIPE):
-  """:func:`gpipe_loss` over `mesh`'s `axis`, laid out as :func:`pipeline_grads`."""
+def pipeline_loss(fns: Stages, mesh: Mesh, stacked, shared, parts, *, axis: str = PIPE,
+                  stage_layers=None):
+  """:func:`gpipe_loss` over `mesh`'s `axis`, laid out as :func:`pipeline_grads` (with
+  `stage_layers` as there)."""
+  if stage_layers is not None:
+    fns = uneven(fns, stage_layers, axis)
   body = functools.partial(gpipe_loss, fns, stages=_stages_of(mesh, axis), axis=axis)
   return jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(), P()), out_specs=P(),
-                       axis_names={axis}, check_vma=False)(stacked, shared, parts)
+                       axis_names={axis}, check_vma=False)(
+                           pad_stack(stacked, stage_layers), shared, parts)
 
 
 def pipeline_grads(fns: Stages, mesh: Mesh, stacked, shared, parts, count=None, *,
-                   axis: str = PIPE, schedule: str = "gpipe"):
+                   axis: str = PIPE, schedule: str = "gpipe", stage_layers=None):
   """:func:`gpipe` (or :func:`one_f_one_b`, `schedule` "1f1b") over `mesh`'s `axis`
   (``jax.shard_map`` manual over it only): `stacked` leaves [L, ...] split along their layer
   axis, `shared` and `parts` whole, `count` as :func:`gpipe`'s; returns (mean loss, gradient
-  of `stacked` [L, ...] laid out like it, gradient of `shared`).
+  of `stacked` [L, ...] laid out like it, gradient of `shared`). `stage_layers`: None (L/P
+  layers per stage) or the layers each stage runs (:func:`check_stage_layers`; the module
+  docstring says how they are laid out).
 
   The FP8 GEMMs inside agree their amaxes over the ``Auto`` axes by themselves (a max over a
   sharded array is global); over "pipe" nothing is agreed: each layer lives on one stage.
   (Hence ``check_vma=False``: the check would ask for a max over "pipe", which would mix
   different layers' amaxes.)
   """
-  body = functools.partial(SCHEDULE_FNS[check_schedule(schedule)], fns,
-                           stages=_stages_of(mesh, axis), axis=axis)
+  stages = _stages_of(mesh, axis)
+  if stage_layers is not None:
+    stage_layers = check_stage_layers(stage_layers, stages,
+                                      int(jax.tree.leaves(stacked)[0].shape[0]))
+    fns = uneven(fns, stage_layers, axis)
+  body = functools.partial(SCHEDULE_FNS[check_schedule(schedule)], fns, stages=stages,
+                           axis=axis)
+  args = (pad_stack(stacked, stage_layers), shared, parts)
   if count is None:
-    return jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(), P()),
-                         out_specs=(P(), P(axis), P()), axis_names={axis},
-                         check_vma=False)(stacked, shared, parts)
-  return jax.shard_map(body, mesh=mesh, in_specs=(P(axis), P(), P(), P()),
-                       out_specs=(P(), P(axis), P()), axis_names={axis},
-                       check_vma=False)(stacked, shared, parts, jnp.asarray(count, jnp.int32))
+    loss, g_stacked, g_shared = jax.shard_map(
+        body, mesh=mesh, in_specs=(P(axis), P(), P()), out_specs=(P(), P(axis), P()),
+        axis_names={axis}, check_vma=False)(*args)
+  else:
+    loss, g_stacked, g_shared = jax.shard_map(
+        body, mesh=mesh, in_specs=(P(axis), P(), P(), P()), out_specs=(P(), P(axis), P()),
+        axis_names={axis}, check_vma=False)(*args, jnp.asarray(count, jnp.int32))
+  return loss, unpad_stack(g_stacked, stage_layers), g_shared

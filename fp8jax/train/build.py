@@ -10,13 +10,17 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fp8jax import linen, parallel, xla_env
 from fp8jax.dot import native_fp8_reason
 from fp8jax.parallel.tensor import GPT_RULES
 from fp8jax.hardware import DeviceReport, GiB, device_reason, gpu_spec
 from fp8jax.models.layers import AUTO, cudnn_attention_reason
+from fp8jax.parallel import device_map as device_map_lib
+from fp8jax.parallel import pipeline as pipeline_lib
 from fp8jax.parallel.capability import gather_reports
+from fp8jax.parallel.mesh import PIPE, pipe_size
 from fp8jax.parallel.zero import ZeroPlan
 from fp8jax.train.evaluation import EvalStep, Probe, build_eval_step, build_probe
 from fp8jax.train.memory import run_bytes
@@ -296,9 +300,38 @@ def pipeline_loop(config, plan: ZeroPlan, model) -> PipelineLoop | None:
         f"layer stack and head, and this {type(model).__name__} has no parts(); give the linen "
         f"module embed/blocks/head methods, an nn.scan named 'layers' and parts() returning "
         f"fp8jax.models.StackParts (docs/models.md), or use pipeline_parallel_size 1")
-  return PipelineLoop(plan.mesh, model.parts(), config.parallel.pipeline_schedule,
+  parts = model.parts()
+  return PipelineLoop(plan.mesh, parts, config.parallel.pipeline_schedule,
                       microbatch_size=t.microbatch_size, dynamic=t.batch_ramp is not None,
-                      matrix_dtype=matrix_dtype(config))
+                      matrix_dtype=matrix_dtype(config),
+                      stage_layers=stage_layers(config, plan.mesh, parts.n_layers))
+
+
+def stage_seconds(config, mesh) -> list[float]:
+  """Relative seconds per layer of each pipeline stage of `mesh`: its slowest device's, from
+  ``parallel.device_map`` and the devices' kinds (``parallel.device_kinds`` if declared)."""
+  devices = np.moveaxis(mesh.devices, mesh.axis_names.index(PIPE), 0)
+  p = config.parallel
+  out = []
+  for stage in devices:
+    kinds = device_map_lib.declared_kinds(p.device_kinds, list(stage.flat), jax.devices())
+    out.append(max(device_map_lib.seconds_per_microbatch(p.device_map, kinds,
+                                                         config.train.microbatch_size)))
+  return out
+
+
+def stage_layers(config, mesh, n_layers: int) -> tuple[int, ...] | None:
+  """The layers each pipeline stage runs (``parallel.pipeline_layers``): a configured list
+  (checked against `n_layers`), or with "auto" and a ``device_map`` whose stages differ in
+  speed, `n_layers` split in proportion to their speeds
+  (``fp8jax.parallel.pipeline.split_layers``); None: an even split."""
+  spec, stages = config.parallel.pipeline_layers, pipe_size(mesh)
+  if not isinstance(spec, str):
+    return pipeline_lib.check_stage_layers(tuple(spec), stages, n_layers)
+  if spec == "even" or config.parallel.device_map is None:
+    return None
+  layers = pipeline_lib.split_layers(n_layers, stage_seconds(config, mesh))
+  return None if len(set(layers)) == 1 else layers
 
 
 def step_loop(config, plan: ZeroPlan, model, microbatches: int,
@@ -320,7 +353,8 @@ def step_loop(config, plan: ZeroPlan, model, microbatches: int,
                      parts=model.parts() if callable(getattr(model, "parts", None)) else None,
                      layer_stacks=tuple(getattr(model, "layer_stacks", ())), counts=counts_fn,
                      microbatch_size=t.microbatch_size, dynamic=dynamic,
-                     schedule=None if pipeline is None else pipeline.schedule)
+                     schedule=None if pipeline is None else pipeline.schedule,
+                     stage_layers=None if pipeline is None else pipeline.stage_layers)
   return UniformLoop(t.microbatch_size, dynamic, weight_cast_fn(c, model, microbatches),
                      matrix_dtype(c))
 

@@ -64,6 +64,8 @@ class GroupLoop:
       stages (:mod:`fp8jax.parallel.pipeline`; slots beyond its count are bubbles), then
       the gradients are summed over the groups (f32, or FP8 with `grad_comm` "fp8"). The
       parameters enter each replica whole (its stage's layers), not as ZeRO-3 shards.
+    stage_layers: with `schedule`: None (layers split evenly over the stages) or the layers
+      each stage runs (``fp8jax.parallel.pipeline.split_layers``).
   """
 
   mesh: Mesh
@@ -78,6 +80,7 @@ class GroupLoop:
   microbatch_size: int | None = None
   dynamic: bool = False
   schedule: str | None = None
+  stage_layers: tuple[int, ...] | None = None
 
   def __post_init__(self):
     grad_comm_lib.check_options(self.grad_comm, self.comm_scaling, self.growth_interval)
@@ -278,7 +281,10 @@ def _replica_microbatches(loop: GroupLoop, stacked, shared, batch, counts, comm)
   sums over the groups. Returns (mean loss, stacked gradients, shared gradients, comm)."""
   count = counts[0]
   run = pipeline_lib.SCHEDULE_FNS[loop.schedule]
-  loss_sum, g_stacked, g_shared = run(stages_of(loop.parts), stacked, shared, batch[0], count,
+  fns = stages_of(loop.parts)
+  if loop.stage_layers is not None:
+    fns = pipeline_lib.uneven(fns, loop.stage_layers, PIPE)
+  loss_sum, g_stacked, g_shared = run(fns, stacked, shared, batch[0], count,
                                       stages=pipe_size(loop.mesh), axis=PIPE, sums=True)
   total, loss_sum = lax.psum((count.astype(jnp.float32), loss_sum), loop.axes)
   acc = loop.parts.merge(g_stacked, g_shared)
@@ -295,11 +301,13 @@ def group_step_fn(groups: GroupLoop, grad_fn, tx, fused_update):
     spec = P(groups.axes)
     if groups.schedule is not None:
       stacked, shared = groups.parts.split(variables)
+      stacked = pipeline_lib.pad_stack(stacked, groups.stage_layers)
       st, sh, g_st, g_sh = _replica_specs(groups, stacked, shared)
       loss, g_stacked, g_shared, comm = jax.shard_map(
           functools.partial(_replica_microbatches, groups), mesh=groups.mesh,
           in_specs=(st, sh, spec, spec, P()), out_specs=(P(), g_st, g_sh, P()),
           check_vma=False)(stacked, shared, batch, counts, comm)
+      g_stacked = pipeline_lib.unpad_stack(g_stacked, groups.stage_layers)
       return loss, groups.parts.merge(g_stacked, g_shared), comm
     var_spec, grad_spec, dims, reduced = _group_specs(groups, variables)
     local = functools.partial(group_microbatches, grad_fn, groups, dims=dims, reduced=reduced)

@@ -383,9 +383,12 @@ class Trainer:
                           self.config.parallel.pipeline_schedule)
       if stages > 1:
         k = self.config.microbatches_at(start)
+        split = build.pipeline_loop(self.config, self.plan,
+                                    self.run_model.for_recipe(self.level.recipe)).stage_layers
         print(f"fp8jax train: pipeline of {stages} stages over {k} microbatches "
               f"({schedule}): bubble {pipeline.bubble_fraction(stages, k, schedule):.1%} "
-              f"of each stage's step")
+              f"of each stage's step; layers per stage: "
+              f"{', '.join(map(str, split)) if split else 'even'}")
     if primary and self.epochs() > 1:
       print(f"fp8jax train: data: the run's {self.config.tokens_seen(t.steps):,} training "
             f"tokens are {self.epochs():.2f} epochs of the {len(self.data.train):,} of "

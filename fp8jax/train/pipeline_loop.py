@@ -34,6 +34,8 @@ class PipelineLoop:
       (interleaved: at most 2P - 1 kept inputs, a larger bubble; ``fp8jax.parallel.pipeline``).
     microbatch_size, dynamic: for :func:`build_step`, as :class:`UniformLoop`'s.
     matrix_dtype: for :func:`build_step`, as :func:`make_train_step`'s.
+    stage_layers: None (the layers split evenly over the stages) or the layers each stage
+      runs, e.g. in proportion to its speed (``fp8jax.parallel.pipeline.split_layers``).
   """
 
   mesh: Mesh
@@ -42,6 +44,7 @@ class PipelineLoop:
   microbatch_size: int | None = None
   dynamic: bool = False
   matrix_dtype: Any = None
+  stage_layers: tuple[int, ...] | None = None
 
   def __post_init__(self):
     pipeline_lib.check_schedule(self.schedule)
@@ -100,7 +103,8 @@ def pipeline_microbatches(loop: PipelineLoop, variables, batch, microbatches: in
       parts, NamedSharding(loop.mesh, P(None, layout.group_axes(loop.mesh))))
   stacked, shared = loop.parts.split(variables)
   loss, g_stacked, g_shared = pipeline_lib.pipeline_grads(
-      loop.stage_fns(), loop.mesh, stacked, shared, parts, count, schedule=loop.schedule)
+      loop.stage_fns(), loop.mesh, stacked, shared, parts, count, schedule=loop.schedule,
+      stage_layers=loop.stage_layers)
   grads = loop.parts.merge(g_stacked, g_shared)
   return loss, {**grads, "params": jax.tree.map(widen, grads["params"])}
 

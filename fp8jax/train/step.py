@@ -232,7 +232,7 @@ def eval_loss_fn(apply_fn: Callable, weight_gather: fsdp.WeightGather | None = N
       parts = lax.with_sharding_constraint(
           batch[None], NamedSharding(pipeline.mesh, P(None, layout.group_axes(pipeline.mesh))))
       return pipeline_lib.pipeline_loss(pipeline.stage_fns(), pipeline.mesh, stacked, shared,
-                                        parts)
+                                        parts, stage_layers=pipeline.stage_layers)
     with fsdp.gathering(weight_gather):
       return next_token_loss(apply_fn, variables, batch)
   return loss
