@@ -12,7 +12,6 @@ import dataclasses
 from typing import Any, Callable
 
 from fp8jax.models import gpt, llama
-from fp8jax.optim import num_params
 from fp8jax.parallel.layout_rules import tensor_message
 from fp8jax.parallel.tensor import GPT_RULES, Rule
 
@@ -28,7 +27,6 @@ class Family:
     init_model: ``(config, recipe, key, batch_size, seq_len) -> variables`` (jitted).
     flops_per_token: ``(config, seq_len) -> float``: training FLOPs per token, for MFU.
     matmul_param_count: ``config -> int``: weights taking part in a GEMM per token.
-    param_count: ``params -> int``: parameter scalars of a params tree.
     tensor_rules: tensor-parallel rules (``fp8jax.parallel.plan(..., tensor_rules=)``).
     tensor_splits: ``config -> ((config key, size), ...)``: the sizes its tensor rules split
       over "tensor" (each must divide by the tensor size:
@@ -41,7 +39,6 @@ class Family:
   init_model: Callable[..., dict]
   flops_per_token: Callable[[Any, int], float]
   matmul_param_count: Callable[[Any], int]
-  param_count: Callable[[Any], int]
   tensor_rules: tuple[Rule, ...]
   tensor_splits: Callable[[Any], tuple[tuple[str, int], ...]]
 
@@ -66,10 +63,9 @@ def _gpt_tensor_splits(config: gpt.ModelConfig) -> tuple[tuple[str, int], ...]:
 
 FAMILIES: dict[str, Family] = {
     "gpt": Family("gpt", gpt.ModelConfig, gpt.GPT, gpt.init_model, gpt.flops_per_token,
-                  gpt.matmul_param_count, num_params, GPT_RULES,
-                  _gpt_tensor_splits),
+                  gpt.matmul_param_count, GPT_RULES, _gpt_tensor_splits),
     "llama": Family("llama", llama.LlamaConfig, llama.Llama, llama.init_model,
-                    llama.flops_per_token, llama.matmul_param_count, num_params,
+                    llama.flops_per_token, llama.matmul_param_count,
                     llama.LLAMA_RULES, llama.tensor_splits),
 }
 

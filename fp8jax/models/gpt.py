@@ -30,14 +30,14 @@ from fp8jax.models import layers
 from fp8jax.models.layers import (ATTENTION_IMPLS, ATTENTION_RESIDUALS_NAME, DTYPES,
                                   GEMM_INPUT_NAME, GEMM_OUTPUT_NAME, MLP, PARAM_DTYPES,
                                   REMAT_POLICIES, Attention, Block, Embed, apply_rope,
-                                  causal_attention_saving_residuals, next_token_loss,
+                                  causal_attention_saving_residuals,
                                   remat_policy, rope_tables, unstack_layers)
 
 __all__ = ["ATTENTION_IMPLS", "ATTENTION_RESIDUALS_NAME", "DTYPES", "GEMM_INPUT_NAME",
            "GEMM_OUTPUT_NAME", "GPT", "MLP", "MLPS", "ModelConfig", "NORMS", "PARAM_DTYPES",
            "REMAT_POLICIES", "Attention", "Block", "Embed", "apply_rope",
            "causal_attention_saving_residuals", "flops_per_token", "init_model",
-           "matmul_param_count", "next_token_loss", "remat_policy", "rope_tables",
+           "matmul_param_count", "remat_policy", "rope_tables",
            "unstack_layers"]
 
 MLPS = ("gelu", "swiglu")

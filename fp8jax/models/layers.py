@@ -653,12 +653,6 @@ def remat_policy(config):
 
 # ----------------------------------------------------------------------------- counting
 
-def next_token_loss(logits, targets):
-  """Mean cross entropy (nats/token) of logits f32[B, T, V] against int targets[B, T]."""
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  return -jnp.mean(jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1))
-
-
 def attention_flops_per_token(config, seq_len: int) -> float:
   """Training FLOPs per token of the attention's QK^T and AV (forward + backward):
   ``12 * n_layers * n_heads * head_dim * seq_len``, the full T x T square (PaLM's convention,

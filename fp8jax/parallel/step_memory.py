@@ -2,7 +2,7 @@
 
 :func:`device_memory` splits the bytes one GPU holds into the state that lives between steps
 and the step's two phases (the forward and backward of the microbatches, the optimizer
-update); :func:`max_microbatch` is the largest microbatch that fits one GPU of a kind.
+update); :func:`usable_bytes` is what one GPU of a kind can hold of them.
 ``fp8jax simulate`` (:mod:`fp8jax.parallel.cost_model`), :mod:`fp8jax.parallel.sizing` and
 ``fp8jax.train.memory`` (the "auto" remat policy) read it. The model's facts come from a
 :class:`~fp8jax.parallel.cost_inputs.ModelShape`, the modelling constants from
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from fp8jax.hardware import fp8_native, gpu_spec
+from fp8jax.hardware import gpu_spec
 from fp8jax.parallel.cost_inputs import Assumptions, ModelShape, _check_level, _check_stage, \
     _level, state_bytes_per_param, wire_bytes
 
@@ -220,21 +220,3 @@ def device_memory(model: ModelShape, level: str, stage: int, seq_len: int, micro
 def usable_bytes(kind: str, a: Assumptions) -> float:
   """HBM bytes left after the workspace reserve."""
   return gpu_spec(kind).hbm_bytes * (1 - a.workspace_reserve)
-
-
-def max_microbatch(kind: str, model: ModelShape, seq_len: int, level: str, stage: int,
-                   gpus: int, a: Assumptions = Assumptions(), local_grads: bool = False,
-                   limit: int = 2**20, microbatches: int = 1) -> int:
-  """Largest power of two of sequences (<= `limit`) whose microbatch fits one GPU of `kind`
-  (data parallel over `gpus`, :func:`device_memory`; `local_grads`: the balanced per-group
-  step); 0 when not even one sequence fits."""
-  level = _check_level(level)
-  emulated = _level(level).fp8_gemms and not fp8_native(kind)
-  fits = lambda m: device_memory(model, level, stage, seq_len, m, microbatches,
-                                 Layout(data=gpus), a, emulated, local_grads
-                                 ).peak <= usable_bytes(kind, a)
-  best, m = 0, 1
-  while m <= limit and fits(m):
-    best, m = m, 2 * m
-  return best
-

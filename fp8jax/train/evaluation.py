@@ -25,7 +25,7 @@ from fp8jax.parallel.zero import ZeroPlan
 from fp8jax.train import health as health_lib
 from fp8jax.train.calibration import calibrated_scales
 from fp8jax.train.state import TrainState
-from fp8jax.train.loss import next_token_loss
+from fp8jax.train.loss import batch_loss
 from fp8jax.train.step import PipelineLoop, eval_loss_fn, scan_microbatches
 
 
@@ -145,8 +145,8 @@ def fp8_updates(apply_fn: Callable, variables: dict, batch: jax.Array) -> dict:
   gradient of the loss with respect to the FP8 state alone (``fp8jax.apply_fp8_updates``; no
   parameter gradient is formed)."""
   fp8 = variables[FP8_COLLECTION]
-  grads = jax.grad(lambda f: next_token_loss(apply_fn, {**variables, FP8_COLLECTION: f},
-                                             batch))(fp8)
+  grads = jax.grad(lambda f: batch_loss(apply_fn, {**variables, FP8_COLLECTION: f},
+                                        batch))(fp8)
   return apply_fp8_updates({FP8_COLLECTION: fp8}, {FP8_COLLECTION: grads})[FP8_COLLECTION]
 
 

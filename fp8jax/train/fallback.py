@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from fp8jax.train.state import TrainState
-from fp8jax.train.loss import next_token_loss
+from fp8jax.train.loss import batch_loss
 from fp8jax.train.step import scan_microbatches
 
 logger = logging.getLogger("fp8jax")
@@ -40,7 +40,7 @@ class Bf16Loss:
       def bf16_loss(params, batch):
         params = TrainState(jnp.zeros((), jnp.int32), params, {}, ()).model_params(matrix_dtype)
         # The loop's "gradients" are an empty tree: it sums and averages the losses alone.
-        loss_only = lambda none, part: (next_token_loss(apply, {"params": params}, part), none)
+        loss_only = lambda none, part: (batch_loss(apply, {"params": params}, part), none)
         return scan_microbatches(loss_only, {"params": {}}, batch, n)[0]
       self._jitted[n] = jax.jit(bf16_loss)
     return self._jitted[n](params, batch)

@@ -37,9 +37,10 @@ from fp8jax.interop import hf
 from fp8jax.linen import FP8_COLLECTION, calibrate_fp8, init_fp8_state
 from fp8jax.models import decode
 from fp8jax.models.family import family_of
-from fp8jax.models.layers import Decoder, next_token_loss
+from fp8jax.models.layers import Decoder
 from fp8jax.recipe import Recipe, opt_level
 from fp8jax.train import build
+from fp8jax.train.loss import batch_loss
 from fp8jax.train.resume import checkpoint_dir
 from fp8jax.train.state import state_init_fn
 
@@ -305,8 +306,7 @@ def _loss_sum(model):
   """Jitted ``(variables, batch int32[B, T+1]) -> summed next-token loss`` of `model`."""
   @jax.jit
   def loss_sum(variables, batch):
-    logits = model.apply(variables, batch[:, :-1])
-    return next_token_loss(logits, batch[:, 1:]) * batch[:, 1:].size
+    return batch_loss(model.apply, variables, batch) * batch[:, 1:].size
   return loss_sum
 
 

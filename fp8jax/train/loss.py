@@ -12,14 +12,16 @@ from fp8jax.accumulate import widen
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-  """Mean next-token loss in f32 nats; logits [B, T, V], targets int [B, T]."""
+  """Mean cross entropy (f32 nats per token) of logits [B, T, V] (any float dtype, computed
+  in f32) against int targets [B, T]."""
   losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
   return jnp.mean(losses)
 
 
-def next_token_loss(apply_fn: Callable, variables, batch) -> jax.Array:
-  """batch int32[B, T+1] -> mean loss (f32 nats) of predicting batch[:, 1:] from
-  batch[:, :-1] with ``apply_fn(variables, tokens[B, T]) -> logits[B, T, V]``."""
+def batch_loss(apply_fn: Callable, variables, batch) -> jax.Array:
+  """:func:`cross_entropy` of a model on a batch: batch int32[B, T+1] -> mean loss (f32 nats
+  per token) of predicting batch[:, 1:] from batch[:, :-1] with
+  ``apply_fn(variables, tokens[B, T]) -> logits[B, T, V]``."""
   return cross_entropy(apply_fn(variables, batch[:, :-1]), batch[:, 1:])
 
 
@@ -28,7 +30,7 @@ def microbatch_grads(apply_fn: Callable, weight_gather, reduce_gradients) -> Cal
   gather at use; with `reduce_gradients` applied to the f32 parameter gradients)."""
   def grad_fn(variables, part, extra=None):
     def loss_of(v):
-      return next_token_loss(apply_fn, {**v, **(extra or {})}, part)
+      return batch_loss(apply_fn, {**v, **(extra or {})}, part)
     with fsdp.gathering(weight_gather):
       loss, g = jax.value_and_grad(loss_of)(variables)
     if reduce_gradients is not None:

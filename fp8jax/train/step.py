@@ -52,15 +52,15 @@ from fp8jax.parallel.zero import ZeroPlan
 from fp8jax.train import guards
 from fp8jax.train.batching import TrainStep, batch_placement, microbatch_count, pad_to
 from fp8jax.train.group_loop import GroupLoop, group_microbatches, group_step_fn
-from fp8jax.train.loss import cross_entropy, microbatch_grads, next_token_loss
+from fp8jax.train.loss import batch_loss, microbatch_grads
 from fp8jax.train.pipeline_loop import (PipelineLoop, pipeline_microbatches, pipeline_step_fn,
                                         stages_of)
 from fp8jax.train.state import TrainState
 from fp8jax.train.update import apply_gradients
 
 __all__ = ["GroupLoop", "Loop", "PipelineLoop", "TrainStep", "UniformLoop", "apply_gradients",
-           "build_step", "cross_entropy", "eval_loss_fn", "group_microbatches", "make_eval_step",
-           "make_train_step", "microbatch_count", "next_token_loss", "pad_to",
+           "build_step", "eval_loss_fn", "group_microbatches", "make_train_step",
+           "microbatch_count", "pad_to",
            "pipeline_microbatches", "scan_microbatches", "stages_of"]
 
 
@@ -234,16 +234,8 @@ def eval_loss_fn(apply_fn: Callable, weight_gather: fsdp.WeightGather | None = N
       return pipeline_lib.pipeline_loss(pipeline.stage_fns(), pipeline.mesh, stacked, shared,
                                         parts, stage_layers=pipeline.stage_layers)
     with fsdp.gathering(weight_gather):
-      return next_token_loss(apply_fn, variables, batch)
+      return batch_loss(apply_fn, variables, batch)
   return loss
-
-
-def make_eval_step(apply_fn: Callable, weight_gather: fsdp.WeightGather | None = None,
-                   pipeline: PipelineLoop | None = None):
-  """A jittable ``eval_step(state, batch) -> mean loss``: :func:`eval_loss_fn` of the
-  state's variables."""
-  loss = eval_loss_fn(apply_fn, weight_gather, pipeline)
-  return lambda state, batch: loss(state.variables(), batch)
 
 
 Loop = UniformLoop | GroupLoop | PipelineLoop

@@ -10,9 +10,9 @@ import pytest
 import fp8jax
 import fp8jax.hardware
 from fp8jax.config import load_config
-from fp8jax.models import GPT, ModelConfig, init_model, next_token_loss
+from fp8jax.models import GPT, ModelConfig, init_model
 from fp8jax.models.layers import attention_impl_for
-from fp8jax.train import build, memory
+from fp8jax.train import batch_loss, build, memory
 from fp8jax.train.loop import Trainer
 
 pytestmark = [pytest.mark.gpu,
@@ -27,7 +27,7 @@ def test_auto_attention_is_cudnn_flash_attention():
   batch = jax.random.randint(jax.random.key(np.random.randint(1 << 30)), (4, 257), 0, 256)
 
   def loss(model):
-    return lambda v: next_token_loss(model.apply(v, batch[:, :-1]), batch[:, 1:])
+    return lambda v: batch_loss(model.apply, v, batch)
 
   f = jax.jit(jax.value_and_grad(loss(GPT(cfg))))
   hlo = f.lower(variables).compile().as_text()

@@ -208,7 +208,7 @@ def _gpt_two_ways(cfg, switch: str, off):
   from fp8jax.bench.timing import custom_calls
   from fp8jax.models import layers
   from fp8jax.models.gpt import GPT
-  from fp8jax.train.step import next_token_loss
+  from fp8jax.train import batch_loss
   model = GPT(cfg, fp8jax.opt_level("O1").recipe.replace(fused_cast_transpose=True))
   seed = np.random.randint(1 << 30)
   print("seed", seed)
@@ -216,7 +216,7 @@ def _gpt_two_ways(cfg, switch: str, off):
   variables = model.init(jax.random.key(seed + 1), tokens[:, :-1])
 
   def compiled():
-    grad = jax.jit(jax.grad(lambda v: next_token_loss(model.apply, v, tokens)))
+    grad = jax.jit(jax.grad(lambda v: batch_loss(model.apply, v, tokens)))
     calls = custom_calls(grad.lower(variables).compile().as_text())
     return (calls.get(FP8_GEMM, 0), sum(n for t, n in calls.items() if "triton" in t),
             grad(variables))
@@ -282,7 +282,8 @@ def test_saved_gemm_outputs_with_cudnn_attention_skip_its_forward():
   apart, the embedding gradient 12%; on CPUs, where both are bit-identical, the FP8 gradient
   is 12% from f32 and BF16's 0.9%). The f32 model is the yardstick."""
   import re
-  from fp8jax.models import GPT, ModelConfig, init_model, next_token_loss
+  from fp8jax.models import GPT, ModelConfig, init_model
+  from fp8jax.train import batch_loss
   cfg = ModelConfig(d_model=256, n_layers=2, n_heads=2, d_ff=1024, max_seq_len=256, remat=True,
                     attention_impl="cudnn")
   recipe = fp8jax.O1.recipe
@@ -290,7 +291,7 @@ def test_saved_gemm_outputs_with_cudnn_attention_skip_its_forward():
   print("seed", seed)
   variables = init_model(cfg, recipe, jax.random.key(seed), 4, 256)
   batch = jax.random.randint(jax.random.key(seed + 1), (4, 257), 0, 256)
-  loss = lambda model: lambda v: next_token_loss(model.apply(v, batch[:, :-1]), batch[:, 1:])
+  loss = lambda model: lambda v: batch_loss(model.apply, v, batch)
   ref = jax.jit(jax.grad(loss(GPT(cfg.replace(dtype="float32", remat=False,
                                               attention_impl="xla"), None))))(
       {"params": variables["params"]})["params"]

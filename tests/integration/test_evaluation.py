@@ -5,7 +5,7 @@ import numpy as np
 
 from fp8jax.config import load_config
 from fp8jax.train.loop import Trainer
-from fp8jax.train.step import next_token_loss
+from fp8jax.train import batch_loss
 
 TINY = "configs/tiny.yaml"
 
@@ -22,7 +22,7 @@ def test_evaluate_is_the_mean_loss_of_its_microbatches(tmp_path):
   t, d = cfg.train, cfg.data
   val = trainer.data.batches("val", t.microbatch_size, d.seq_len, seed=d.seed)
   variables = trainer.state.variables()
-  apply = jax.jit(lambda part: next_token_loss(trainer.model.apply, variables, part))
+  apply = jax.jit(lambda part: batch_loss(trainer.model.apply, variables, part))
   losses = np.array([float(apply(val.next())) for _ in range(5)], np.float64)
   assert np.ptp(losses) > 1e-3, losses  # one microbatch alone, or 6 of them, would differ
   np.testing.assert_allclose(got, losses.mean(), rtol=2e-5)

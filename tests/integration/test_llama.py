@@ -19,6 +19,7 @@ from fp8jax.models.llama import (Llama, Llama3RopeScaling, LlamaConfig,
 from fp8jax.optim import init_master, master_params
 from fp8jax.recipe import opt_level
 from fp8jax.scaling import Fp8Meta
+from fp8jax.train import batch_loss
 from conftest import rel_err
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "llama_gqa")
@@ -264,8 +265,8 @@ def test_unrolled_remat_gradients_are_the_scans(key):
   out = []
   for c in (cfg, cfg.replace(scan_layers=False, remat=True, remat_policy="save_gemm_outputs")):
     model = Llama(c)
-    out.append(jax.jit(jax.value_and_grad(lambda p: layers.next_token_loss(
-        model.apply({"params": p}, batch[:, :-1]), batch[:, 1:])))(params))
+    out.append(jax.jit(jax.value_and_grad(lambda p: batch_loss(
+        model.apply, {"params": p}, batch)))(params))
   assert float(out[1][0]) == pytest.approx(float(out[0][0]), rel=1e-6)
   for a, b in zip(jax.tree.leaves(out[0][1]), jax.tree.leaves(out[1][1]), strict=True):
     assert 0 < np.linalg.norm(a) and rel_err(b, a) < 1e-5, a.shape

@@ -9,9 +9,9 @@ import pytest
 
 import fp8jax
 from fp8jax import FP8_COLLECTION, data
-from fp8jax.models import (GPT, ModelConfig, flops_per_token, init_model, matmul_param_count,
-                           next_token_loss)
+from fp8jax.models import GPT, ModelConfig, flops_per_token, init_model, matmul_param_count
 from fp8jax.optim import num_params
+from fp8jax.train import batch_loss, cross_entropy
 from conftest import rel_err
 
 TINY = ModelConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=64)
@@ -43,7 +43,7 @@ def _apply(cfg, recipe):
 def _loss_and_grads(cfg, recipe):
   """Jitted (variables, int32[B, T+1]) -> (loss, grads w.r.t. all variables)."""
   model = GPT(cfg, recipe)
-  loss_fn = lambda v, batch: next_token_loss(model.apply(v, batch[:, :-1]), batch[:, 1:])
+  loss_fn = lambda v, batch: batch_loss(model.apply, v, batch)
   return jax.jit(jax.value_and_grad(loss_fn))
 
 
@@ -102,7 +102,7 @@ def test_fp8_close_to_bf16_and_state_stacked(key):
   assert e_bf16 < 0.03
   assert 3 * e_bf16 < e_fp8 < 0.2  # FP8 happened (~0.10 vs BF16 ~0.009), and is bounded
   targets = jnp.roll(tokens, -1, axis=1)
-  assert rel_err(next_token_loss(fp8, targets), next_token_loss(bf16, targets)) < 0.03
+  assert rel_err(cross_entropy(fp8, targets), cross_entropy(bf16, targets)) < 0.03
   meta = variables[FP8_COLLECTION]
   layer_leaves = jax.tree.leaves(meta["layers"])
   assert len(layer_leaves) == 4 * 3 * 2  # qkv, out, fc_in, fc_out x 3 roles x 2 arrays

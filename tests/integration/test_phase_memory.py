@@ -10,7 +10,7 @@ import pytest
 
 from fp8jax.config import load_config
 from fp8jax.train.loop import Trainer
-from fp8jax.train.step import next_token_loss
+from fp8jax.train import batch_loss
 
 TINY = "configs/tiny.yaml"
 # A phase may exceed the step by this share of the step's own memory (none does at these
@@ -66,7 +66,7 @@ def test_no_phase_needs_more_memory_than_the_train_step(tmp_path, zero):
   if zero == 0:  # what the bound catches: the 32 evaluation microbatches in one forward
     state, val = trainer.state, np.concatenate([trainer.next_batch(0)] * 16)
     model = trainer.calibration.model
-    whole = jax.jit(lambda params, fp8, b: next_token_loss(
+    whole = jax.jit(lambda params, fp8, b: batch_loss(
         model.apply, trainer.state._replace(params=params, fp8=fp8).variables(), b))
     need = _own(whole.lower(state.params, state.fp8, val).compile(), (state.params, state.fp8))
     assert need > 2 * step, (need, step)

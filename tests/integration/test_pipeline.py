@@ -20,9 +20,10 @@ from fp8jax.linen import FP8_COLLECTION
 from fp8jax.models.gpt import GPT, ModelConfig
 from fp8jax.parallel import pipeline, zero
 from fp8jax.recipe import opt_level
+from fp8jax.train.loss import batch_loss
 from fp8jax.train.state import TrainState
 from fp8jax.train.step import GroupLoop, PipelineLoop, build_step, make_train_step, \
-    next_token_loss, pipeline_microbatches, scan_microbatches
+    eval_loss_fn, pipeline_microbatches, scan_microbatches
 
 MODEL = dict(vocab_size=256, d_model=32, n_layers=4, n_heads=2, d_ff=64, max_seq_len=16)
 K, MB, SEQ = 4, 8, 8  # microbatches per step, sequences per microbatch, tokens per sequence
@@ -48,7 +49,7 @@ def _step_grads(model, variables, batch, mesh=None, schedule="gpipe"):
   (`mesh` None) or the pipeline loop over `mesh` with `schedule`."""
   if mesh is None:
     grad_fn = lambda v, part: jax.value_and_grad(
-        lambda v: next_token_loss(model.apply, v, part))(v)
+        lambda v: batch_loss(model.apply, v, part))(v)
     return jax.jit(lambda v, b: scan_microbatches(grad_fn, v, b, K))(variables, batch)
   loop = PipelineLoop(mesh, model.parts(), schedule)
   # Laid out as a train state: layers over "pipe", heads and MLP width over "tensor".
@@ -206,14 +207,13 @@ def test_pipeline_replicas_with_their_own_counts_match_one_device(data, level, g
 def test_pipelined_evaluation_is_the_models_loss(data):
   """The forward-only schedule (one microbatch through 4 stages, f32 compute, O1) gives the
   model's loss."""
-  from fp8jax.train.step import make_eval_step
   seed, batch, _ = data
   model, variables = _variables("O1", "float32", seed)
   state = TrainState(jnp.zeros((), jnp.int32), variables["params"], variables[FP8_COLLECTION],
                      ())
   loop = PipelineLoop(parallel.make_mesh(data=2, pipe=4), model.parts())
-  got = jax.jit(make_eval_step(model.apply, pipeline=loop))(state, batch[:MB])
-  want = next_token_loss(model.apply, variables, batch[:MB])
+  got = jax.jit(eval_loss_fn(model.apply, pipeline=loop))(state.variables(), batch[:MB])
+  want = batch_loss(model.apply, variables, batch[:MB])
   assert abs(float(got) - float(want)) < 1e-6 * float(want)
 
 

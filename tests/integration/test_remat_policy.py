@@ -8,7 +8,8 @@ import pytest
 
 import fp8jax
 from fp8jax.config import load_config
-from fp8jax.models import GPT, ModelConfig, init_model, next_token_loss
+from fp8jax.models import GPT, ModelConfig, init_model
+from fp8jax.train import batch_loss
 from conftest import primitive_eqns
 
 CFG = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=16, remat=True)
@@ -17,7 +18,7 @@ B, T = 2, 8
 
 def _grad_fn(policy: str, recipe, mlp: str):
   model = GPT(CFG.replace(remat_policy=policy, mlp=mlp), recipe)
-  loss = lambda v, b: next_token_loss(model.apply(v, b[:, :-1]), b[:, 1:])
+  loss = lambda v, b: batch_loss(model.apply, v, b)
   return jax.jit(jax.value_and_grad(loss))
 
 
@@ -108,8 +109,7 @@ def test_saved_gemm_io_casts_no_activation_again(key):
   with ct.interpret_anywhere():
     for policy in ("save_gemm_outputs", "save_gemm_io"):
       model = GPT(cfg.replace(remat_policy=policy), recipe)
-      f = jax.value_and_grad(lambda v: next_token_loss(model.apply(v, batch[:, :-1]),
-                                                       batch[:, 1:]))
+      f = jax.value_and_grad(lambda v: batch_loss(model.apply, v, batch))
       kernels[policy] = len(list(primitive_eqns(jax.make_jaxpr(f)(variables).jaxpr,
                                                 "pallas_call")))
       out[policy] = jax.jit(f)(variables)

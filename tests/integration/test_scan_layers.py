@@ -12,9 +12,10 @@ import pytest
 import fp8jax
 from fp8jax.config import load_config
 from fp8jax.linen import HEALTH_COLLECTION
-from fp8jax.models import GPT, ModelConfig, init_model, next_token_loss
+from fp8jax.models import GPT, ModelConfig, init_model
 from fp8jax.models import gpt as gpt_module
 from fp8jax.models.gpt import unstack_layers
+from fp8jax.train import batch_loss
 
 CFG = ModelConfig(d_model=64, n_layers=3, n_heads=2, d_ff=128, max_seq_len=32, remat=True,
                   remat_policy="save_gemm_outputs")
@@ -23,8 +24,7 @@ B, T = 2, 32
 
 def _grad_fn(cfg: ModelConfig, recipe):
   model = GPT(cfg, recipe)
-  return jax.jit(jax.value_and_grad(lambda v, b: next_token_loss(model.apply(v, b[:, :-1]),
-                                                                 b[:, 1:])))
+  return jax.jit(jax.value_and_grad(lambda v, b: batch_loss(model.apply, v, b)))
 
 
 def _flat(tree) -> np.ndarray:

@@ -11,7 +11,8 @@ from jax.sharding import PartitionSpec as P
 import fp8jax
 from fp8jax import fsdp, parallel
 from fp8jax.dot import SAVE_FP8_WEIGHTS
-from fp8jax.models import GPT, ModelConfig, init_model, next_token_loss
+from fp8jax.models import GPT, ModelConfig, init_model
+from fp8jax.train import batch_loss
 
 CFG = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=16, remat=True)
 RECIPE = fp8jax.O1.recipe
@@ -24,7 +25,7 @@ WEIGHT_SHAPES = {(32, 96), (32, 32), (32, 64), (64, 32), (32, 256)}
 def _loss_and_grads(save: bool):
   """(variables, int32[B, T+1]) -> (loss, grads w.r.t. all variables), not jitted."""
   model = GPT(CFG.replace(remat_save_fp8_weights=save), RECIPE)
-  loss_fn = lambda v, batch: next_token_loss(model.apply(v, batch[:, :-1]), batch[:, 1:])
+  loss_fn = lambda v, batch: batch_loss(model.apply, v, batch)
   return jax.value_and_grad(loss_fn)
 
 

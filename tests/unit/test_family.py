@@ -6,6 +6,7 @@ import pytest
 import fp8jax
 from fp8jax.models import FAMILIES, GPT, Llama, LlamaConfig, ModelConfig, family, family_of
 from fp8jax.models.llama import LLAMA_RULES
+from fp8jax.optim import num_params
 from fp8jax.parallel.tensor import GPT_RULES
 
 CONFIGS = {"gpt": ModelConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=8),
@@ -26,7 +27,7 @@ def test_one_interface_for_every_family(name):
   abstract = jax.eval_shape(lambda: model.init(jax.random.key(0),
                                                jax.numpy.zeros((2, 8), "int32")))
   assert jax.tree.structure(abstract) == jax.tree.structure(variables)
-  n = fam.param_count(variables["params"])
+  n = num_params(variables["params"])
   assert 0 < fam.matmul_param_count(cfg) < n + cfg.d_model * cfg.vocab_size
   assert fam.flops_per_token(cfg, 8) > 6 * fam.matmul_param_count(cfg)
   fam.check_tensor_parallel(cfg, 2)

@@ -11,8 +11,9 @@ from conftest import rel_err
 from fp8jax import dot
 from fp8jax.config import load_config
 from fp8jax.kernels import cast_transpose as ct
-from fp8jax.models import GPT, ModelConfig, init_model, layers, next_token_loss
+from fp8jax.models import GPT, ModelConfig, init_model, layers
 from fp8jax.models.llama import LlamaConfig
+from fp8jax.train import batch_loss
 
 E4M3 = jnp.float8_e4m3fn
 DN = (((1,), (0,)), ((), ()))
@@ -133,7 +134,7 @@ def test_model_with_fused_gelu_is_as_accurate_as_the_unfused_model(key):
 
   def grads(config, recipe, v):
     model = GPT(config, recipe)
-    loss = lambda v: next_token_loss(model.apply(v, batch[:, :-1]), batch[:, 1:])
+    loss = lambda v: batch_loss(model.apply, v, batch)
     g = jax.jit(jax.grad(loss))(v)["params"]
     return np.concatenate([np.asarray(a, np.float64).ravel() for a in jax.tree.leaves(g)])
 

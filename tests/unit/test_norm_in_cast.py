@@ -188,7 +188,7 @@ def test_models_normalize_inside_the_cast(key, family, monkeypatch):
   from fp8jax.models import layers
   from fp8jax.models.gpt import GPT, ModelConfig
   from fp8jax.models.llama import Llama, LlamaConfig
-  from fp8jax.train.step import next_token_loss
+  from fp8jax.train import batch_loss
   shape = dict(vocab_size=64, d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=32,
                scan_layers=False)
   if family == "gpt":
@@ -217,7 +217,7 @@ def test_models_normalize_inside_the_cast(key, family, monkeypatch):
   variables = jax.tree_util.tree_map_with_path(
       lambda p, v: v * (1 + 0.3 * jax.random.normal(jax.random.key(5), v.shape))
       if "norm" in jax.tree_util.keystr(p) else v, variables)
-  grad = lambda: jax.jit(jax.grad(lambda v: next_token_loss(model.apply, v, tokens)))(  # noqa
+  grad = lambda: jax.jit(jax.grad(lambda v: batch_loss(model.apply, v, tokens)))(  # noqa
       variables)
   g_fused = grad()
   monkeypatch.setattr(layers, "norm_in_cast", lambda *a, **k: None)

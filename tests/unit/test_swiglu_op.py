@@ -258,7 +258,7 @@ def test_models_run_their_swiglu_mlp_as_one_op(key, family, monkeypatch):
   from fp8jax.models import layers
   from fp8jax.models.gpt import GPT, ModelConfig
   from fp8jax.models.llama import Llama, LlamaConfig
-  from fp8jax.train.step import next_token_loss
+  from fp8jax.train import batch_loss
   shape = dict(vocab_size=64, d_model=64, n_layers=2, n_heads=4, d_ff=128, max_seq_len=32,
                scan_layers=False)
   if family == "gpt":
@@ -278,7 +278,7 @@ def test_models_run_their_swiglu_mlp_as_one_op(key, family, monkeypatch):
   assert per_op > 0 and count(model, variables) == cfg.n_layers * per_op
   plain = build(cfg, None)
   assert count(plain, plain.init(jax.random.key(1), tokens[:, :-1])) == 0
-  grad = lambda: jax.jit(jax.grad(lambda v: next_token_loss(model.apply, v, tokens)))(  # noqa
+  grad = lambda: jax.jit(jax.grad(lambda v: batch_loss(model.apply, v, tokens)))(  # noqa
       variables)
   g_op = grad()
   monkeypatch.setattr(layers, "dense_mlp_reason", lambda *a, **k: "the two-Dense path")
