@@ -1,5 +1,5 @@
 # The environment of every GPU benchmark: `source benchmarks/gpu_env.sh` from the repo root
-# before `python benchmarks/<group>/<name>.py` (run_gpu.sh and train/loss_curves.sh source it).
+# before `python benchmarks/<group>/<name>.py` (run_gpu.sh sources it).
 # NVLink multicast off (the device documentation requires it), this checkout on the path, no
 # preallocation (peak-memory readings), cuBLAS(Lt) for every GEMM (no Triton autotuning).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
