@@ -52,18 +52,39 @@ def default_codegen_env() -> dict:
   return env
 
 
+# `xla_cpu_scheduler` tests compare compiled CPU memory with fp8jax's memory model, whose
+# numbers were fitted with XLA's concurrency-optimized CPU scheduler; `import fp8jax` turns
+# that scheduler off (fp8jax.xla_env: a collective-order deadlock), so they run in a child
+# pytest with it on.
+_CPU_SCHEDULER_ON = "--xla_cpu_enable_concurrency_optimized_scheduler=true"
+_CHILD_ENV = "FP8JAX_TEST_CHILD"
+
+
+def cpu_scheduler_env() -> dict:
+  """``os.environ`` for a child process that compiles with XLA's concurrency-optimized CPU
+  scheduler (the rest of the session's flags kept)."""
+  return dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " "
+                                     + _CPU_SCHEDULER_ON).strip(), **{_CHILD_ENV: "1"})
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
-  """Runs a `default_codegen` test in a child pytest with XLA's default flags (see above)."""
-  if not (FAST_CODEGEN and pyfuncitem.get_closest_marker("default_codegen")):
+  """Runs a `default_codegen` test in a child pytest with XLA's default flags, and an
+  `xla_cpu_scheduler` test in one with XLA's CPU scheduler on (see above)."""
+  if FAST_CODEGEN and pyfuncitem.get_closest_marker("default_codegen"):
+    env, what = default_codegen_env(), "XLA's default code generation"
+  elif (pyfuncitem.get_closest_marker("xla_cpu_scheduler") and not os.environ.get(_CHILD_ENV)
+        and shutil.which("nvidia-smi") is None):
+    env, what = cpu_scheduler_env(), "XLA's concurrency-optimized CPU scheduler"
+  else:
     return None
   r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                       pyfuncitem.nodeid], cwd=str(pyfuncitem.config.rootpath),
-                     env=default_codegen_env(), capture_output=True, text=True, timeout=900)
+                     env=env, capture_output=True, text=True, timeout=900)
   print(r.stdout[-3000:])
   if r.returncode != 0:
-    pytest.fail(f"{pyfuncitem.nodeid} failed in a child process with XLA's default code "
-                f"generation:\n{r.stdout[-8000:]}\n{r.stderr[-2000:]}", pytrace=False)
+    pytest.fail(f"{pyfuncitem.nodeid} failed in a child process with {what}:"
+                f"\n{r.stdout[-8000:]}\n{r.stderr[-2000:]}", pytrace=False)
   return True
 
 

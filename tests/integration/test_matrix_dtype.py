@@ -94,6 +94,7 @@ def _temp_bytes(step, state, microbatches):
   return jax.jit(step).lower(state, batch).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.xla_cpu_scheduler
 @pytest.mark.parametrize("microbatches, fused", [(1, True), (2, False)])
 def test_bf16_matrices_need_less_memory(microbatches, fused):
   """XLA's temporary buffers of the compiled O2 step (on this machine's backend) shrink by
