@@ -3,7 +3,7 @@
 Tiers: ``unit/`` (one component against a reference), ``integration/`` (the train step and
 the Trainer, on 8 simulated CPU devices), ``distributed/`` (several local processes under
 ``jax.distributed`` on 127.0.0.1, with their worker scripts), ``gpu/`` (sm_89+ only). The
-helpers here (``ft_util``, ``hetero_model``) are importable from every tier."""
+helpers here (``ft_util``, ``hetero_model``, ``numerics``) are importable from every tier."""
 import os
 import shutil
 import subprocess

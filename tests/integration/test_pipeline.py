@@ -2,7 +2,6 @@
 x tensor, with ZeRO) give one device's loss, gradients and FP8 state (to summation order in
 f32 compute; within FP8's bounds in BF16 compute), the pipelined evaluation gives the model's
 loss, checkpoints move between pipeline sizes, bad settings are refused."""
-import os
 import shutil
 
 import jax
@@ -13,6 +12,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import ft_util
+
+from numerics import fresh_seed, rel_error
 
 from fp8jax import parallel
 from fp8jax.config import config_from_dict
@@ -30,14 +31,7 @@ K, MB, SEQ = 4, 8, 8  # microbatches per step, sequences per microbatch, tokens 
 
 
 def _seed() -> int:
-  seed = int(os.environ.get("FP8JAX_TEST_SEED", np.random.SeedSequence().entropy % (1 << 31)))
-  print(f"pipeline: seed {seed}")
-  return seed
-
-
-def _rel(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+  return fresh_seed("pipeline")
 
 
 def _flat(tree) -> np.ndarray:
@@ -105,12 +99,12 @@ def test_pipeline_matches_one_device_in_f32(data, level, stages, data_size, tens
   for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(got["params"])[0],
                           jax.tree.leaves(ref["params"])):
     assert np.linalg.norm(np.asarray(r)) > 0, path
-    assert _rel(g, r) < tol, (jax.tree_util.keystr(path), _rel(g, r))
+    assert rel_error(g, r) < tol, (jax.tree_util.keystr(path), rel_error(g, r))
   if level != "O0":
     fp8, fp8_ref = got[FP8_COLLECTION], ref[FP8_COLLECTION]
     assert _flat(fp8_ref).any() and (_flat(fp8["layers"]) != _flat(variables[FP8_COLLECTION]
                                                                     ["layers"])).any()
-    assert _rel(_flat(fp8), _flat(fp8_ref)) < exact
+    assert rel_error(_flat(fp8), _flat(fp8_ref)) < exact
 
 
 def _one_device(model, variables, tx, batch, k: int):
@@ -129,7 +123,7 @@ def _update_error(state, metrics, ref, ref_metrics, variables) -> float:
   assert abs(float(metrics["loss"]) - float(ref_metrics["loss"])) < 1e-6 * float(
       ref_metrics["loss"])
   p0 = _flat(variables["params"])
-  return _rel(_flat(parallel.to_host(state.params)) - p0, _flat(ref.params) - p0)
+  return rel_error(_flat(parallel.to_host(state.params)) - p0, _flat(ref.params) - p0)
 
 
 @pytest.mark.slow
@@ -151,7 +145,7 @@ def test_built_step_with_zero3_matches_one_device(data):
   assert kernel.sharding.spec == P("pipe", None, ("data", "fsdp"))
   assert kernel.addressable_shards[0].data.shape == (2, 32, 16)
   assert _update_error(state, metrics, ref, ref_metrics, variables) < 1e-5  # the update
-  assert _rel(_flat(parallel.to_host(state.opt_state)), _flat(ref.opt_state)) < 1e-5
+  assert rel_error(_flat(parallel.to_host(state.opt_state)), _flat(ref.opt_state)) < 1e-5
 
 
 @pytest.mark.parametrize("family, count", [("gpt", 2), ("llama", None)])
@@ -201,7 +195,7 @@ def test_pipeline_replicas_with_their_own_counts_match_one_device(data, level, g
     assert err < 1e-5, err
   else:  # one E4M3 rounding of each replica's sum (measured 2.6%)
     assert 5e-3 < err < 0.15, err
-    assert _rel(_flat(parallel.to_host(state.fp8)), _flat(ref.fp8)) < 1e-6
+    assert rel_error(_flat(parallel.to_host(state.fp8)), _flat(ref.fp8)) < 1e-6
 
 
 def test_pipelined_evaluation_is_the_models_loss(data):
@@ -244,9 +238,9 @@ def test_pipeline_runs_fp8_within_its_bound(bf16_runs):
   casts magnify such differences (with XLA_FLAGS=--xla_allow_excess_precision=false both
   agree to 1e-4)."""
   ref = bf16_runs["ref"]
-  bf16_err, fp8_err = _rel(bf16_runs["O0"], ref), _rel(bf16_runs["O1"], ref)
-  vs_one = _rel(bf16_runs["O1"], bf16_runs["O1 one device"])
-  one_err = _rel(bf16_runs["O1 one device"], ref)
+  bf16_err, fp8_err = rel_error(bf16_runs["O0"], ref), rel_error(bf16_runs["O1"], ref)
+  vs_one = rel_error(bf16_runs["O1"], bf16_runs["O1 one device"])
+  one_err = rel_error(bf16_runs["O1 one device"], ref)
   print(f"gradient error vs f32: O0 pipeline {bf16_err:.2e}, O1 pipeline {fp8_err:.2e}, "
         f"O1 one device {one_err:.2e}; O1 pipeline vs one device {vs_one:.2e}")
   assert bf16_err < 0.05

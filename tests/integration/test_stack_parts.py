@@ -2,13 +2,14 @@
 the model at O0 and after fp8jax.convert (which then runs them in FP8), any slice of its
 layers runs as a stage, a pipelined step of it equals one device's, and a builder's model
 without the cut is refused at the run's start with the reason."""
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+
+from numerics import fresh_seed, rel_error
 
 import fp8jax
 from fp8jax import parallel
@@ -22,14 +23,7 @@ K, MB, SEQ, DEPTH = 4, 8, 8, 4  # microbatches, sequences per microbatch, tokens
 
 
 def _seed() -> int:
-  seed = int(os.environ.get("FP8JAX_TEST_SEED", np.random.SeedSequence().entropy % (1 << 31)))
-  print(f"stack parts: seed {seed}")
-  return seed
-
-
-def _rel(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+  return fresh_seed("stack parts")
 
 
 def _model(level: str, tokens):
@@ -71,8 +65,8 @@ def test_converted_parts_run_in_fp8():
   stacked, shared = parts.split(variables)
   got = parts.logits(shared, parts.layers(stacked, parts.embed(shared, tokens)))
   f32 = plain.apply(params, tokens)
-  assert _rel(f32, ref) < 1e-5
-  assert 1e-3 < _rel(got, ref) < 0.1, _rel(got, ref)
+  assert rel_error(f32, ref) < 1e-5
+  assert 1e-3 < rel_error(got, ref) < 0.1, rel_error(got, ref)
 
 
 def test_stack_parts_refuses_a_module_without_the_cut():
@@ -110,7 +104,7 @@ def test_pipelined_step_of_a_user_model_matches_one_device(level, schedule, tol)
   for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(got["params"])[0],
                           jax.tree.leaves(ref)):
     assert np.linalg.norm(r) > 0, path
-    assert _rel(g, r) < tol, (jax.tree_util.keystr(path), _rel(g, r))
+    assert rel_error(g, r) < tol, (jax.tree_util.keystr(path), rel_error(g, r))
 
 
 def test_a_builder_without_the_cut_is_refused_at_start(tmp_path):

@@ -3,12 +3,13 @@ stage speed, the padded layout, a step with uneven stages equal to one device's 
 schedules, the pipeline replicas of a balanced run too), and the Trainer choosing the split from
 the devices' kinds."""
 import json
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from numerics import fresh_seed, rel_error
 
 from fp8jax import parallel
 from fp8jax.config import config_from_dict
@@ -22,14 +23,7 @@ MODEL = dict(vocab_size=256, d_model=32, n_layers=4, n_heads=2, d_ff=64, max_seq
 
 
 def _seed() -> int:
-  seed = int(os.environ.get("FP8JAX_TEST_SEED", np.random.SeedSequence().entropy % (1 << 31)))
-  print(f"uneven stages: seed {seed}")
-  return seed
-
-
-def _rel(a, b) -> float:
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+  return fresh_seed("uneven stages")
 
 
 def test_split_follows_stage_speed():
@@ -95,7 +89,7 @@ def test_uneven_stages_match_one_device(level, schedule, split, tol):
   for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(got["params"])[0],
                           jax.tree.leaves(ref["params"])):
     assert g.shape == r.shape and np.linalg.norm(np.asarray(r)) > 0, path
-    assert _rel(g, r) < tol, (jax.tree_util.keystr(path), _rel(g, r))
+    assert rel_error(g, r) < tol, (jax.tree_util.keystr(path), rel_error(g, r))
 
 
 def _config(run_dir, **parallel_over):
@@ -166,4 +160,4 @@ def test_pipeline_replicas_with_uneven_stages_match_one_device():
   flat = lambda t: np.concatenate([np.ravel(np.asarray(x, np.float64))
                                    for x in jax.tree.leaves(t)])
   p0 = flat(variables["params"])
-  assert _rel(flat(parallel.to_host(state.params)) - p0, flat(ref.params) - p0) < 1e-5
+  assert rel_error(flat(parallel.to_host(state.params)) - p0, flat(ref.params) - p0) < 1e-5
