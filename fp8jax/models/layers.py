@@ -551,9 +551,10 @@ def _sub(variables, name: str) -> dict:
 @dataclasses.dataclass(frozen=True)
 class DecoderParts:
   """A :class:`Decoder` cut into embedding, layer stack and head, applied to explicit
-  variables with the modules and math of :meth:`Decoder.__call__` (dropout off, no ZeRO-3
-  gather at use): ``logits(shared, layers(stacked, embed(shared, tokens)))`` is the model's
-  forward. For pipeline parallelism (``fp8jax.parallel.pipeline``).
+  variables with the modules and math of :meth:`Decoder.__call__` (dropout off; under an
+  active ``fp8jax.fsdp.WeightGather`` each part gathers its parameters at use, as the model
+  does): ``logits(shared, layers(stacked, embed(shared, tokens)))`` is the model's forward.
+  For pipeline parallelism (``fp8jax.parallel.pipeline``).
 
   Variables (the model's ``{collection: tree}``) split into ``stacked`` ({collection: its
   "layers" subtree}: leaves [L', ...] for any L' consecutive layers) and ``shared``
@@ -588,19 +589,31 @@ class DecoderParts:
 
   def embed(self, shared, tokens) -> jax.Array:
     """tokens int[B, T] -> x[B, T, D] in the compute dtype."""
-    check_tokens(tokens, self.model.config, type(self.model).__name__)
-    return Embed(**embed_kwargs(self.model.config)).apply(_sub(shared, "embed"), tokens)
+    cfg = self.model.config
+    check_tokens(tokens, cfg, type(self.model).__name__)
+    return self._embed().apply(_sub(shared, "embed"), tokens)
+
+  def _embed(self) -> nn.Module:
+    return gathered(Embed, self.model.config, ("__call__", "attend"))(
+        **embed_kwargs(self.model.config))
 
   def layers(self, stacked, x) -> jax.Array:
     """x[B, T, D] through the stacked layers' blocks in order (a scan over their leading
     axis; each block under ``jax.checkpoint`` with the config's remat policy when remat is
-    on)."""
+    on). Under an active ``fp8jax.fsdp.WeightGather`` (ZeRO-3) each layer's parameters are
+    gathered inside the scan where that layer runs (GEMM kernels by their GEMM)."""
     cfg = self.model.config
     rope = self.model.rope(x.shape[1])
     block = Block(cfg, self.model.recipe, True, parent=None)
+    gather = fsdp.active()
+    if gather is not None and cfg.remat:  # the recomputation gathers the weights again
+      gather = dataclasses.replace(gather, keep_gathered=True)
 
     def layer(x, variables):
-      return block.apply(variables, x, rope)[0], None
+      with fsdp.gathering(gather):
+        params = fsdp.gather_tree(variables["params"], gather,
+                                  matrix_dtype=jnp.dtype(cfg.dtype))
+        return block.apply({**variables, "params": params}, x, rope)[0], None
     if cfg.remat:
       layer = jax.checkpoint(layer, policy=remat_policy(cfg))
     return lax.scan(layer, x, stacked)[0]
@@ -608,12 +621,13 @@ class DecoderParts:
   def logits(self, shared, x) -> jax.Array:
     """x[B, T, D] -> final norm -> LM head (the embedding when tied) -> f32[B, T, V]."""
     cfg = self.model.config
-    x = norm_module(cfg).apply(_sub(shared, "norm_final"), x.astype(jnp.float32))
+    x = norm_module(cfg, gather=True).apply(_sub(shared, "norm_final"),
+                                            x.astype(jnp.float32))
     x = x.astype(jnp.dtype(cfg.dtype))
     if cfg.tie_embeddings:
-      return Embed(**embed_kwargs(cfg)).apply(_sub(shared, "embed"), x,
-                                              method="attend").astype(jnp.float32)
-    head = nn.Dense(**head_kwargs(cfg, self.model.recipe))
+      return self._embed().apply(_sub(shared, "embed"), x, method="attend").astype(
+          jnp.float32)
+    head = gathered(nn.Dense, cfg)(**head_kwargs(cfg, self.model.recipe))
     return head.apply(_sub(shared, "head"), x).astype(jnp.float32)
 
 

@@ -167,15 +167,19 @@ def reduce_gradients(grads, mesh: Mesh, stage: int, axes: Sequence[str] = ZERO_A
 @dataclasses.dataclass(frozen=True)
 class LeafSpecs:
   """``(path, shape) -> (home, gathered)`` PartitionSpecs of a parameter as
-  :func:`leaf_spec` lays it out, sharded over `axes` and not (``fp8jax.fsdp.Specs``)."""
+  :func:`leaf_spec` lays it out, sharded over `axes` and not (``fp8jax.fsdp.Specs``).
+  `in_stage`: paths and shapes are as a pipeline stage's code sees them (inside
+  ``jax.shard_map`` manual over "pipe", one layer of the stack at a time): no dimension goes
+  to "pipe"."""
 
   mesh: Mesh
   axes: tuple[str, ...]
   rules: tuple = GPT_RULES
+  in_stage: bool = False
 
   def __call__(self, path: str, shape) -> tuple[P, P]:
     tensor = tensor_dim(path, shape, self.mesh, self.rules)
-    pipe = pipe_dim(path, shape, self.mesh)
+    pipe = None if self.in_stage else pipe_dim(path, shape, self.mesh)
     return (shard_spec(shape, self.mesh, self.axes, tensor, pipe),
             shard_spec(shape, self.mesh, (), tensor, pipe))
 
@@ -213,13 +217,14 @@ class ZeroPlan:
     """A global batch int32[B, T+1] (same on every process) placed on the mesh."""
     return put_global(batch, self.batch)
 
-  def weight_gather(self) -> WeightGather | None:
+  def weight_gather(self, in_stage: bool = False) -> WeightGather | None:
     """Stage 3: how the step gathers each parameter where it is used
     (:mod:`fp8jax.fsdp`: kernels inside their GEMM, as E4M3 bytes for FP8 GEMMs; other
-    parameters in this plan's payload dtype); None below."""
+    parameters in this plan's payload dtype); None below. `in_stage`: for the code of a
+    pipeline stage (:class:`LeafSpecs`)."""
     if self.stage < 3:
       return None
-    return WeightGather(self.mesh, LeafSpecs(self.mesh, self.axes, self.rules),
+    return WeightGather(self.mesh, LeafSpecs(self.mesh, self.axes, self.rules, in_stage),
                         payload_dtype=self.payload_dtype)
 
   def reduce_fn(self) -> Callable | None:

@@ -111,7 +111,8 @@ def build_eval_step(apply_fn: Callable, plan: ZeroPlan, microbatches: int,
   sharding, scalar = batch_sharding(plan, balanced), layout.replicated(plan.mesh)
   step = make_eval_loop(apply_fn, microbatches,
                         weight_gather=None if pipeline else plan.weight_gather(),
-                        pipeline=pipeline, matrix_dtype=matrix_dtype)
+                        pipeline=pipeline and pipeline.with_plan(plan),
+                        matrix_dtype=matrix_dtype)
   jitted = jax.jit(step, in_shardings=(plan.state.params, plan.state.fp8, sharding, scalar),
                    out_shardings=(scalar, scalar),
                    compiler_options=plan.compiler_options or None)

@@ -9,6 +9,7 @@ import jax
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from fp8jax import fsdp
 from fp8jax.accumulate import widen
 from fp8jax.parallel import layout
 from fp8jax.parallel import pipeline as pipeline_lib
@@ -36,6 +37,12 @@ class PipelineLoop:
     matrix_dtype: for :func:`build_step`, as :func:`make_train_step`'s.
     stage_layers: None (the layers split evenly over the stages) or the layers each stage
       runs, e.g. in proportion to its speed (``fp8jax.parallel.pipeline.split_layers``).
+    weight_gather: ZeRO-3's ``fp8jax.fsdp.WeightGather`` for a stage's code
+      (``ZeroPlan.weight_gather(in_stage=True)``; :meth:`program` takes the plan's when
+      None): the stages' variables stay split over the ZeRO axes and each layer is gathered
+      where it runs (FP8 kernels as E4M3 bytes inside their GEMM), in every forward and
+      backward slot; gradients are reduce-scattered into the shards as they are made.
+      None below ZeRO-3.
   """
 
   mesh: Mesh
@@ -45,6 +52,7 @@ class PipelineLoop:
   dynamic: bool = False
   matrix_dtype: Any = None
   stage_layers: tuple[int, ...] | None = None
+  weight_gather: fsdp.WeightGather | None = None
 
   def __post_init__(self):
     pipeline_lib.check_schedule(self.schedule)
@@ -73,9 +81,16 @@ class PipelineLoop:
     if self.mesh != plan.mesh:
       raise ValueError("build_step: the PipelineLoop's mesh is not the plan's")
     pipeline_lib.check_stages(self.stages, microbatches)
-    step = pipeline_step_fn(self, tx, microbatches, plan.reduce_fn(), fused_update,
+    loop = self.with_plan(plan)
+    step = pipeline_step_fn(loop, tx, microbatches, plan.reduce_fn(), fused_update,
                             self.matrix_dtype)
     return (step, *batch_placement(plan, self.dynamic, microbatches, self.microbatch_size))
+
+  def with_plan(self, plan: ZeroPlan) -> "PipelineLoop":
+    """This loop with `plan`'s ZeRO-3 gathering for stage code, unless it has its own."""
+    if self.weight_gather is not None:
+      return self
+    return dataclasses.replace(self, weight_gather=plan.weight_gather(in_stage=True))
 
 
 def stages_of(parts) -> pipeline_lib.Stages:
@@ -102,9 +117,10 @@ def pipeline_microbatches(loop: PipelineLoop, variables, batch, microbatches: in
   parts = lax.with_sharding_constraint(
       parts, NamedSharding(loop.mesh, P(None, layout.group_axes(loop.mesh))))
   stacked, shared = loop.parts.split(variables)
-  loss, g_stacked, g_shared = pipeline_lib.pipeline_grads(
-      loop.stage_fns(), loop.mesh, stacked, shared, parts, count, schedule=loop.schedule,
-      stage_layers=loop.stage_layers)
+  with fsdp.gathering(loop.weight_gather):  # ZeRO-3: each layer gathered where it runs
+    loss, g_stacked, g_shared = pipeline_lib.pipeline_grads(
+        loop.stage_fns(), loop.mesh, stacked, shared, parts, count, schedule=loop.schedule,
+        stage_layers=loop.stage_layers)
   grads = loop.parts.merge(g_stacked, g_shared)
   return loss, {**grads, "params": jax.tree.map(widen, grads["params"])}
 

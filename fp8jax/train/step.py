@@ -225,14 +225,16 @@ def eval_loss_fn(apply_fn: Callable, weight_gather: fsdp.WeightGather | None = N
   """``(variables, batch int32[B, T+1]) -> mean loss`` forwards only (FP8 state is not
   updated); `weight_gather`: as for :func:`make_train_step` (ZeRO-3: parameters gathered at
   use); `pipeline`: the batch runs through the pipeline stages as one microbatch
-  (``fp8jax.parallel.pipeline.gpipe_loss``; `weight_gather` does not apply)."""
+  (``fp8jax.parallel.pipeline.gpipe_loss``; it gathers with its own ``weight_gather``, and
+  `weight_gather` does not apply)."""
   def loss(variables, batch):
     if pipeline is not None:
       stacked, shared = pipeline.parts.split(variables)
       parts = lax.with_sharding_constraint(
           batch[None], NamedSharding(pipeline.mesh, P(None, layout.group_axes(pipeline.mesh))))
-      return pipeline_lib.pipeline_loss(pipeline.stage_fns(), pipeline.mesh, stacked, shared,
-                                        parts, stage_layers=pipeline.stage_layers)
+      with fsdp.gathering(pipeline.weight_gather):
+        return pipeline_lib.pipeline_loss(pipeline.stage_fns(), pipeline.mesh, stacked,
+                                          shared, parts, stage_layers=pipeline.stage_layers)
     with fsdp.gathering(weight_gather):
       return batch_loss(apply_fn, variables, batch)
   return loss

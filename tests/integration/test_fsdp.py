@@ -13,7 +13,7 @@ import pytest
 from fp8jax import fsdp, parallel
 from fp8jax.models.gpt import ModelConfig
 from fp8jax.recipe import opt_level
-from fp8jax.train.step import GroupLoop, build_step, make_train_step
+from fp8jax.train.step import GroupLoop, PipelineLoop, build_step, make_train_step
 from test_zero import _flat, _rel, _setup, batches
 
 _GATHER = re.compile(r"= (\w+)\[([\d,]*)\][^ ]* all-gather\(")
@@ -126,6 +126,10 @@ def o3_programs():
   for name, (k, kw) in variants.items():
     built = build_step(model.apply, tx, plan, k, GroupLoop(plan.mesh, parts=model.parts(), **kw))
     out[name] = built.jitted.lower(abstract, *built.place(batch)).compile()
+  mesh = parallel.make_mesh(data=4, pipe=2)
+  plan = parallel.plan(abstract, mesh, 3, level=level)
+  built = build_step(model.apply, tx, plan, 2, PipelineLoop(mesh, model.parts()))
+  out["pipeline"] = built.jitted.lower(abstract, *built.place(batch)).compile()
   return out
 
 
@@ -236,6 +240,26 @@ def test_o3_balanced_counts_gather_per_layer_not_the_whole_model(o3_programs):
   print(f"peak per device, balanced counts at 8 devices: {balanced / 2**20:.1f} MiB "
         f"({balanced / one:.3f} of one device's {one / 2**20:.1f} MiB)")
   assert balanced <= 0.30 * one, (one, balanced)
+
+
+def test_o3_zero3_inside_a_pipeline_gathers_e4m3_bytes_per_layer(o3_programs):
+  """Pipe 2 x data 4 at ZeRO-3 (O3): each stage's kernels cross as E4M3 bytes (u8) of one
+  layer at a time inside its layer loop (4 trips: the stage's layers), in its forward and
+  backward slots; no whole stacked kernel is gathered."""
+  cfg = o3_programs["config"]
+  loops = gathers_by_loop(o3_programs["pipeline"].as_text())
+  d, f = cfg.d_model, cfg.d_ff
+  kernels = {(d, 3 * d), (d, d), (d, f), (f, d)}
+  in_layers = [(t, s) for t, s in loops.get(cfg.n_layers // 2, ()) if s in kernels]
+  assert {s for _, s in in_layers} == kernels, loops
+  assert {t for t, _ in in_layers} == {"u8"}, in_layers
+  everywhere = [g for gathers in loops.values() for g in gathers]
+  assert max(int(np.prod(s)) for _, s in everywhere) <= d * f, loops
+  one, pipe = _peak(o3_programs[1]), _peak(o3_programs["pipeline"])
+  layer = 3 * d * d + d * d + 2 * d * f
+  print(f"peak per device, pipe 2 x data 4: {pipe / 2**20:.1f} MiB ({pipe / one:.3f} of one "
+        f"device's {one / 2**20:.1f} MiB)")
+  assert pipe <= one / 8 + 2 * layer * 9 + 2**20, (one, pipe)
 
 
 def test_weight_gather_arguments_are_checked():
