@@ -132,16 +132,17 @@ class Gathering:
     return {**grads, "params": params}
 
 
-def _zeros(tree):
+def zeros_of(tree):
+  """Zeros shaped like `tree`'s leaves (arrays or ``jax.ShapeDtypeStruct``s)."""
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
 
 
-def _layer(tree):
+def one_layer(tree):
   """Leaves [...] -> [1, ...]: one layer as a stack of one (what ``Stages.stage`` takes)."""
   return jax.tree.map(lambda x: x[None], tree)
 
 
-def _slot_dims(dims):
+def layer_dims(dims):
   """The split dimensions of one layer's slice of stacked leaves (one less)."""
   return jax.tree.map(lambda d: None if d is None else d - 1, dims,
                       is_leaf=lambda x: x is None)
@@ -167,7 +168,7 @@ def layer_major_grads(fns: Stages, gathering: Gathering, stacked, shared, dims, 
   FP8 state combined by max over the group's microbatches.
   """
   stacked_dims, shared_dims = dims
-  layer_dims = _slot_dims(stacked_dims)
+  one_dims = layer_dims(stacked_dims)
   ran = jnp.arange(slots.shape[0]) < count
   sh, sh_const = gathering.gather(shared, shared_dims)
   first = lambda sh, part: fns.first({**sh, **sh_const}, part)
@@ -175,11 +176,11 @@ def layer_major_grads(fns: Stages, gathering: Gathering, stacked, shared, dims, 
 
   def embed(args):
     r, part = args
-    return lax.cond(r, lambda: first(sh, part), lambda: _zeros(x_aval))
+    return lax.cond(r, lambda: first(sh, part), lambda: zeros_of(x_aval))
 
   def forward(xs, layer):
-    w, const = gathering.gather(layer, layer_dims)
-    run = lambda x: fns.stage({**_layer(w), **_layer(const)}, x)
+    w, const = gathering.gather(layer, one_dims)
+    run = lambda x: fns.stage({**one_layer(w), **one_layer(const)}, x)
     ys = lax.map(lambda a: lax.cond(a[0], lambda: run(a[1]), lambda: a[1]), (ran, xs))
     return ys, xs  # keeps each layer's input
 
@@ -191,7 +192,7 @@ def layer_major_grads(fns: Stages, gathering: Gathering, stacked, shared, dims, 
     last = lambda sh, y: fns.last({**sh, **sh_const}, y, part).astype(jnp.float32)
     run = lambda: jax.value_and_grad(last, argnums=(0, 1))(sh, y)
     shapes = jax.eval_shape(run)
-    loss, (g_sh, dy) = lax.cond(r, run, lambda: _zeros(shapes))
+    loss, (g_sh, dy) = lax.cond(r, run, lambda: zeros_of(shapes))
     return (loss_sum + jnp.where(r, loss, 0.0), accumulate_gradients(acc_sh, g_sh, r)), dy
 
   zero_sh = accumulator_zeros(sh)
@@ -200,25 +201,25 @@ def layer_major_grads(fns: Stages, gathering: Gathering, stacked, shared, dims, 
 
   def backward(dys, args):
     layer, xs = args
-    w, const = gathering.gather(layer, layer_dims)
+    w, const = gathering.gather(layer, one_dims)
 
     def slot(acc, a):
       r, x, dy = a
-      run = lambda: jax.vjp(lambda w, x: fns.stage({**_layer(w), **_layer(const)}, x), w,
-                            x)[1](dy)
+      apply = lambda w, x: fns.stage({**one_layer(w), **one_layer(const)}, x)
+      run = lambda: jax.vjp(apply, w, x)[1](dy)
       shapes = jax.eval_shape(run)
-      g, dx = lax.cond(r, run, lambda: _zeros(shapes))
+      g, dx = lax.cond(r, run, lambda: zeros_of(shapes))
       return accumulate_gradients(acc, jax.tree.map(widen, g), r), dx
 
     acc, dxs = lax.scan(slot, accumulator_zeros(w), (ran, xs, dys))
-    return dxs, gathering.reduce_grads(acc, layer_dims)
+    return dxs, gathering.reduce_grads(acc, one_dims)
 
   dxs, g_stacked = lax.scan(backward, dys, (stacked, kept), reverse=True)
 
   def embed_back(acc, a):
     r, part, dx = a
     run = lambda: jax.vjp(lambda sh: first(sh, part), sh)[1](dx)[0]
-    g = lax.cond(r, run, lambda: _zeros(jax.eval_shape(run)))
+    g = lax.cond(r, run, lambda: zeros_of(jax.eval_shape(run)))
     return accumulate_gradients(acc, jax.tree.map(widen, g), r), None
 
   acc_sh, _ = lax.scan(embed_back, acc_sh, (ran, slots, dxs))

@@ -70,11 +70,18 @@ SCHEDULES = ("gpipe", "1f1b")
 
 
 class Stages(NamedTuple):
-  """A model cut for the pipeline (see the module docstring for each function's contract)."""
+  """A model cut for the pipeline (see the module docstring for each function's contract).
+
+  `lockstep`: the stage function is ``stage(stacked, x, ran) -> y`` and runs in every slot,
+  bubbles included, computing only where `ran` (a bool scalar) holds and returning x
+  elsewhere: it holds collectives over other mesh axes that must pair up across pipeline
+  replicas running different microbatch counts (ZeRO-3 per-layer gathers:
+  ``fp8jax.parallel.stage_gather``)."""
 
   first: Callable
   stage: Callable
   last: Callable
+  lockstep: bool = False
 
 
 def pipe_dim(path: str, shape, mesh: Mesh) -> int | None:
@@ -155,12 +162,12 @@ def uneven(fns: Stages, stage_layers, axis: str = PIPE) -> Stages:
   """`fns` whose stage function runs stage s's first ``stage_layers[s]`` layers of its slice
   of the padded stack (:func:`padded_layout`; inside ``shard_map`` manual over `axis`)."""
   def first(n):
-    return lambda stacked, x: fns.stage(jax.tree.map(lambda a: a[:n], stacked), x)
+    return lambda stacked, *args: fns.stage(jax.tree.map(lambda a: a[:n], stacked), *args)
   branches = [first(n) for n in stage_layers]
 
-  def stage(stacked, x):
-    return lax.switch(lax.axis_index(axis), branches, stacked, x)
-  return Stages(fns.first, stage, fns.last)
+  def stage(stacked, *args):
+    return lax.switch(lax.axis_index(axis), branches, stacked, *args)
+  return fns._replace(stage=stage)
 
 
 def pad_stack(stacked, stage_layers):
@@ -237,6 +244,8 @@ class _Slots:
     """(x, y): the stage's input (stage 0: `first` of the microbatch, else `recv`) and its
     output (the last stage's is x: it runs its layers in its backward slot)."""
     x = lax.cond(self.first & ran, lambda: self.fns.first(self.shared, part), lambda: recv)
+    if self.fns.lockstep:
+      return x, self.fns.stage(self.stacked, x, ran & ~self.last)
     y = lax.cond(ran & ~self.last, lambda: self.fns.stage(self.stacked, x), lambda: x)
     return x, y
 
@@ -250,13 +259,14 @@ class _Slots:
                                                                              part)
     return loss, g_shared, dy
 
-  def _backward(self, x, g_in, part):
-    y, stage_vjp = jax.vjp(self.fns.stage, self.stacked, x)
+  def _backward(self, x, g_in, part, ran=True):
+    stage = (lambda st, x: self.fns.stage(st, x, ran)) if self.fns.lockstep else self.fns.stage
+    y, stage_vjp = jax.vjp(stage, self.stacked, x)
     shapes = jax.eval_shape(self._head, y, part)
-    loss, g_shared, dy = lax.cond(self.last, lambda: self._head(y, part),
+    loss, g_shared, dy = lax.cond(self.last & ran, lambda: self._head(y, part),
                                   lambda: (*_zeros(shapes[:2]), g_in.astype(y.dtype)))
     g_stacked, dx = stage_vjp(dy)
-    g_first = lax.cond(self.first,
+    g_first = lax.cond(self.first & ran,
                        lambda: jax.vjp(lambda sh: self.fns.first(sh, part), self.shared)[1](
                            dx)[0],
                        lambda: jax.tree.map(jnp.zeros_like, self.shared))
@@ -266,13 +276,22 @@ class _Slots:
     """The stage's backward of a microbatch from its kept input `x` (its layers' forward
     again under ``jax.vjp``; the last stage starts from `last`'s gradient, stage 0 ends in
     `first`'s), added into `acc` = (loss sum, stacked gradients, shared gradients) unless
-    the slot is a bubble. Returns (acc, the input's gradient)."""
-    shapes = jax.eval_shape(self._backward, x, g_in, part)
-    loss, g_stacked, g_shared, dx = lax.cond(ran, lambda: self._backward(x, g_in, part),
-                                             lambda: _zeros(shapes))
+    the slot is a bubble (lockstep stages: their parameter gradients, already summed over
+    the replicas, are added in every slot). Returns (acc, the input's gradient)."""
+    if self.fns.lockstep:  # every slot runs the stage's collectives; it computes where ran
+      loss, g_stacked, g_shared, dx = self._backward(x, g_in, part, ran)
+    else:
+      shapes = jax.eval_shape(self._backward, x, g_in, part)
+      loss, g_stacked, g_shared, dx = lax.cond(ran, lambda: self._backward(x, g_in, part),
+                                               lambda: _zeros(shapes))
     loss_sum, acc_stacked, acc_shared = acc
-    return (loss_sum + jnp.where(ran, loss, 0.0),
-            _select(ran, accumulate_gradients(acc_stacked, g_stacked), acc_stacked),
+    if self.fns.lockstep:  # every slot's parameter gradients are sums over the replicas
+      acc_stacked = jax.tree.map(
+          lambda a, g: _select(ran, combine_max(a, g), a) if isinstance(a, Fp8Meta) else a + g,
+          acc_stacked, g_stacked, is_leaf=lambda x: isinstance(x, Fp8Meta))
+    else:
+      acc_stacked = _select(ran, accumulate_gradients(acc_stacked, g_stacked), acc_stacked)
+    return (loss_sum + jnp.where(ran, loss, 0.0), acc_stacked,
             _select(ran, accumulate_gradients(acc_shared, g_shared), acc_shared)), dx
 
   def zeros(self):

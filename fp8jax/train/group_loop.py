@@ -1,7 +1,8 @@
 """The per-group loop of the train step: each data-parallel group runs its own number of
 microbatches (balanced counts, or every microbatch's share with FP8 gradient communication)
 inside ``jax.shard_map``, then one reduction over the groups; at ZeRO-3 layer-major
-(:mod:`fp8jax.parallel.layer_major`); with pipeline stages each group a pipeline replica."""
+(:mod:`fp8jax.parallel.layer_major`); with pipeline stages each group a pipeline replica
+(at ZeRO-3 gathering each layer where it runs: :mod:`fp8jax.parallel.stage_gather`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,6 +21,7 @@ from fp8jax.parallel import grad_comm as grad_comm_lib
 from fp8jax.parallel import layer_major as layer_major_lib
 from fp8jax.parallel import layout
 from fp8jax.parallel import pipeline as pipeline_lib
+from fp8jax.parallel import stage_gather
 from fp8jax.parallel.collectives import GROWTH_INTERVAL, CommScaling
 from fp8jax.parallel.mesh import BATCH_AXES, PIPE, pipe_size
 from fp8jax.parallel.zero import ZeroPlan
@@ -44,7 +46,8 @@ class GroupLoop:
       grad_comm "fp8").
     growth_interval: clean steps before "auto" doubles a pre-scale.
     weight_gather: ZeRO-3's ``fp8jax.fsdp.WeightGather`` (``ZeroPlan.weight_gather``: where
-      each parameter lives), or None (below ZeRO-3: parameters enter the loop whole).
+      each parameter lives), or None (below ZeRO-3: parameters enter the loop whole);
+      :meth:`program` takes the plan's when None.
     parts: with `weight_gather`, the model cut into parts (``model.parts()``,
       :class:`fp8jax.models.layers.DecoderParts`): the parameters then enter as their shards
       and the loop runs layer-major (:mod:`fp8jax.parallel.layer_major`: each layer gathered
@@ -62,8 +65,10 @@ class GroupLoop:
     schedule: None, or "gpipe" / "1f1b": the groups are pipeline replicas over the mesh's
       "pipe" axis (`parts` needed): each runs its own count of microbatches through the
       stages (:mod:`fp8jax.parallel.pipeline`; slots beyond its count are bubbles), then
-      the gradients are summed over the groups (f32, or FP8 with `grad_comm` "fp8"). The
-      parameters enter each replica whole (its stage's layers), not as ZeRO-3 shards.
+      the gradients are summed over the groups (f32, or FP8 with `grad_comm` "fp8"). With
+      `weight_gather` the stage's parameters enter as their ZeRO-3 shards and each layer is
+      gathered where it runs, in every slot (:mod:`fp8jax.parallel.stage_gather`); below
+      ZeRO-3 each replica holds its stage's layers whole.
     stage_layers: with `schedule`: None (layers split evenly over the stages) or the layers
       each stage runs (``fp8jax.parallel.pipeline.split_layers``).
   """
@@ -87,19 +92,19 @@ class GroupLoop:
     object.__setattr__(self, "axes", layout.group_axes(self.mesh, self.axes))
     if self.schedule is not None:
       pipeline_lib.check_schedule(self.schedule)
-      if pipe_size(self.mesh) < 2 or self.parts is None or self.weight_gather is not None:
+      if pipe_size(self.mesh) < 2 or self.parts is None:
         raise ValueError("GroupLoop(schedule=...) needs a mesh with a 'pipe' axis of 2 or more "
-                         "stages, the model's parts and no weight_gather (each replica holds "
-                         "its stage's layers whole)")
-    if self.layer_major and self.auto:
+                         "stages and the model's parts")
+    if self.weight_gather is not None and self.parts is not None and self.auto:
       raise ValueError("comm_scaling='auto' with ZeRO-3's per-layer gradient reduce-scatter "
                        "is not supported (each layer's gradient is reduced inside its "
                        "backward, where no scaling state flows); use comm_scaling 'current'")
 
   @property
   def layer_major(self) -> bool:
-    """Whether the loop runs layer-major (ZeRO-3 shards in, a model cut into parts)."""
-    return self.weight_gather is not None and self.parts is not None
+    """Whether the loop runs layer-major (ZeRO-3 shards in, a model cut into parts, no
+    pipeline stages)."""
+    return self.weight_gather is not None and self.parts is not None and self.schedule is None
 
   def layout(self, params):
     """(the params' ``shard_map`` in_specs, dims, reduced) for global `params`: dims a tree
@@ -133,7 +138,7 @@ class GroupLoop:
     """(step, place, batch shardings) for :func:`build_step`: the per-group step on `plan`
     (its ZeRO-3 gather unless :attr:`weight_gather` is given) and the host batch laid out
     per group (``fp8jax.parallel.layout``: int32[G, slots, m, T+1] and the counts)."""
-    loop = self if self.weight_gather is not None or self.schedule is not None else \
+    loop = self if self.weight_gather is not None else \
         dataclasses.replace(self, weight_gather=plan.weight_gather())
     n, m, sharding = loop.groups, self.microbatch_size, plan.batch
     if self.counts is not None:
@@ -253,10 +258,13 @@ def _group_specs(groups: GroupLoop, variables):
 
 def _replica_specs(groups: GroupLoop, stacked, shared):
   """(stacked in_specs, shared in_specs, stacked gradient out_specs, shared gradient
-  out_specs) of the pipeline replicas' ``shard_map``: stacked leaves split over "pipe" along
-  the layer axis; FP8 gradients (grad_comm "fp8") come out as :func:`fp8jax.parallel.
+  out_specs, dims) of the pipeline replicas' ``shard_map``: stacked leaves split over "pipe"
+  along the layer axis; FP8 gradients (grad_comm "fp8") come out as :func:`fp8jax.parallel.
   grad_comm.reduce_over_groups` leaves them, chunked over the groups along a dimension of
-  the stage's local shape."""
+  the stage's local shape. With ZeRO-3 (``groups.weight_gather``) parameters split over the
+  groups' axes enter and leave as their shards (their home layout) and dims is (stacked
+  dims, shared dims): trees like the two parameter trees of the dimension each leaf is split
+  along over the groups' axes (None: whole); else dims is None."""
   n, stages = groups.groups, pipe_size(groups.mesh)
 
   def grad_spec(path, x, stacked_leaf: bool):
@@ -272,23 +280,76 @@ def _replica_specs(groups: GroupLoop, stacked, shared):
 
   g_stacked = jax.tree_util.tree_map_with_path(lambda p, x: grad_spec(p, x, True), stacked)
   g_shared = jax.tree_util.tree_map_with_path(lambda p, x: grad_spec(p, x, False), shared)
-  return P(PIPE), P(), g_stacked, g_shared
+  if groups.weight_gather is None:
+    return P(PIPE), P(), g_stacked, g_shared, None
+  home, dims = _replica_homes(groups, stacked, shared)
+  st_home, sh_home = groups.parts.split({"params": home})
+  st_dims, sh_dims = (d["params"] for d in groups.parts.split({"params": dims}))
+
+  def with_params(specs, params_specs, whole):
+    return {c: (params_specs["params"] if c == "params" else whole) for c in specs}
+
+  def grads(specs, params_home, params_dims):
+    out = dict(specs)
+    out["params"] = jax.tree.map(lambda h, g, d: g if d is None else h, params_home["params"],
+                                 specs["params"], params_dims,
+                                 is_leaf=lambda x: isinstance(x, P) or x is None)
+    return out
+  return (with_params(stacked, st_home, P(PIPE)), with_params(shared, sh_home, P()),
+          grads(g_stacked, st_home, st_dims), grads(g_shared, sh_home, sh_dims),
+          (st_dims, sh_dims))
 
 
-def _replica_microbatches(loop: GroupLoop, stacked, shared, batch, counts, comm):
+def _replica_homes(groups: GroupLoop, stacked, shared):
+  """(home specs, dims) of the parameters of merged (`stacked`, `shared`): each leaf's ZeRO-3
+  home PartitionSpec (``groups.weight_gather``; stacked leaves over "pipe" too) and the
+  dimension it splits over the groups' axes, or None (its spec is then "pipe" at most)."""
+  params = groups.parts.merge(stacked, shared)["params"]
+  wg, axes = groups.weight_gather, set(groups.axes)
+
+  def one(path, x):
+    spec = wg.specs(jax.tree_util.keystr(path), tuple(np.shape(x)))[0]
+    entries = tuple(spec)
+    split = [i for i, e in enumerate(entries) if e is not None and e != PIPE
+             and set(e if isinstance(e, tuple) else (e,)) <= axes]
+    return spec, (split[0] if split else None)
+  both = jax.tree_util.tree_map_with_path(one, params)
+  is_pair = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], P)
+  home = jax.tree.map(lambda t: t[0] if t[1] is not None else _pipe_only(t[0]), both,
+                      is_leaf=is_pair)
+  dims = jax.tree.map(lambda t: t[1], both, is_leaf=is_pair)
+  return home, dims
+
+
+def _pipe_only(spec: P) -> P:
+  """`spec` with every axis but "pipe" dropped (a leaf that enters whole over the groups)."""
+  entries = [e if e == PIPE else None for e in tuple(spec)]
+  return P(*entries) if any(e is not None for e in entries) else P()
+
+
+def _replica_microbatches(loop: GroupLoop, stacked, shared, batch, counts, comm, dims=None):
   """One pipeline replica's step (inside ``shard_map`` manual over "pipe" and `loop.axes`):
   its `counts[0]` microbatches of `batch` int32[1, S, m, T+1] through the stages, then the
-  sums over the groups. Returns (mean loss, stacked gradients, shared gradients, comm)."""
+  sums over the groups. `dims`: :func:`_replica_specs`' (ZeRO-3: parameters as shards, each
+  layer gathered where it runs; the shared ones gathered once). Returns (mean loss, stacked
+  gradients, shared gradients, comm)."""
   count = counts[0]
   run = pipeline_lib.SCHEDULE_FNS[loop.schedule]
-  fns = stages_of(loop.parts)
+  fns, reduced = stages_of(loop.parts), None
+  if dims is not None:
+    gathering = loop.gathering()
+    fns, shared = stage_gather.lockstep_stages(fns, gathering, dims[0], shared, dims[1])
   if loop.stage_layers is not None:
     fns = pipeline_lib.uneven(fns, loop.stage_layers, PIPE)
   loss_sum, g_stacked, g_shared = run(fns, stacked, shared, batch[0], count,
                                       stages=pipe_size(loop.mesh), axis=PIPE, sums=True)
+  if dims is not None:
+    g_shared = gathering.reduce_grads(g_shared, dims[1])
+    merged = loop.parts.merge({"params": dims[0]}, {"params": dims[1]})["params"]
+    reduced = jax.tree.map(lambda d: d is not None, merged, is_leaf=lambda x: x is None)
   total, loss_sum = lax.psum((count.astype(jnp.float32), loss_sum), loop.axes)
   acc = loop.parts.merge(g_stacked, g_shared)
-  params, comm = _sum_over_groups(acc["params"], None, loop, comm)
+  params, comm = _sum_over_groups(acc["params"], reduced, loop, comm)
   params = jax.tree.map(lambda g: g / total.astype(g.dtype), params)
   rest = {k: v for k, v in acc.items() if k != "params"}
   grads = {**(_max_over_groups(rest, loop.axes) if rest else {}), "params": params}
@@ -302,9 +363,9 @@ def group_step_fn(groups: GroupLoop, grad_fn, tx, fused_update):
     if groups.schedule is not None:
       stacked, shared = groups.parts.split(variables)
       stacked = pipeline_lib.pad_stack(stacked, groups.stage_layers)
-      st, sh, g_st, g_sh = _replica_specs(groups, stacked, shared)
+      st, sh, g_st, g_sh, dims = _replica_specs(groups, stacked, shared)
       loss, g_stacked, g_shared, comm = jax.shard_map(
-          functools.partial(_replica_microbatches, groups), mesh=groups.mesh,
+          functools.partial(_replica_microbatches, groups, dims=dims), mesh=groups.mesh,
           in_specs=(st, sh, spec, spec, P()), out_specs=(P(), g_st, g_sh, P()),
           check_vma=False)(stacked, shared, batch, counts, comm)
       g_stacked = pipeline_lib.unpad_stack(g_stacked, groups.stage_layers)

@@ -1,8 +1,9 @@
 """ZeRO-3 gathers per layer (fp8jax.fsdp), on 8 CPU devices: O0 matches one device with its
 kernels gathered in BF16 inside the layer loop; at O3 the compiled step all-gathers E4M3
 bytes (u8) of one layer at a time inside the layer loop, never a whole stacked kernel, and
-its per-device peak falls as 1/N plus about two layers' weights. (O3 against one device:
-tests/integration/test_zero.py.)"""
+its per-device peak falls as 1/N plus about two layers' weights; inside pipeline stages
+(uniform, and replicas with their own counts) each layer is gathered the same way. (O3
+against one device: tests/integration/test_zero.py.)"""
 import re
 
 import jax
@@ -130,10 +131,15 @@ def o3_programs():
   plan = parallel.plan(abstract, mesh, 3, level=level)
   built = build_step(model.apply, tx, plan, 2, PipelineLoop(mesh, model.parts()))
   out["pipeline"] = built.jitted.lower(abstract, *built.place(batch)).compile()
+  replicas = GroupLoop(mesh, parts=model.parts(), counts=lambda k: REPLICA_COUNTS,
+                       microbatch_size=1, schedule="gpipe")
+  built = build_step(model.apply, tx, plan, sum(REPLICA_COUNTS), replicas)
+  out["replicas"] = built.jitted.lower(abstract, *built.place(batch[:6])).compile()
   return out
 
 
 BALANCED = (1, 3, 0, 2, 0, 0, 1, 1)
+REPLICA_COUNTS = (1, 3, 0, 2)  # pipe 2 x data 4: one count per pipeline replica
 
 
 def _peak(compiled) -> int:
@@ -260,6 +266,29 @@ def test_o3_zero3_inside_a_pipeline_gathers_e4m3_bytes_per_layer(o3_programs):
   print(f"peak per device, pipe 2 x data 4: {pipe / 2**20:.1f} MiB ({pipe / one:.3f} of one "
         f"device's {one / 2**20:.1f} MiB)")
   assert pipe <= one / 8 + 2 * layer * 9 + 2**20, (one, pipe)
+
+
+def test_o3_zero3_pipeline_replicas_with_counts_gather_per_layer(o3_programs):
+  """Pipe 2 x data 4 at ZeRO-3, each data-parallel group a pipeline replica with its own
+  count (1, 3, 0, 2): the stage's kernels cross as E4M3 bytes of one layer at a time inside
+  its layer loop (4 trips), in every slot (the replicas' collectives pair up whatever their
+  counts); no whole stacked kernel is gathered, and the peak stays near the uniform
+  pipeline's."""
+  cfg = o3_programs["config"]
+  loops = gathers_by_loop(o3_programs["replicas"].as_text())
+  d, f = cfg.d_model, cfg.d_ff
+  sizes = {d * 3 * d, d * d, d * f}  # kernels as stored: qkv [d, h, 3, hd], out [h, hd, d]
+  in_layers = [(t, s) for t, s in loops.get(cfg.n_layers // 2, ()) if np.prod(s) in sizes]
+  # each kernel 3 times: the forward slot, the backward slot's forward again (the stage's
+  # remat: only its input is kept) and that slot's backward
+  assert len(in_layers) == 3 * 4 and {t for t, _ in in_layers} == {"u8"}, loops
+  everywhere = [g for gathers in loops.values() for g in gathers]
+  assert max(int(np.prod(s)) for _, s in everywhere) <= d * f, loops
+  one, replicas = _peak(o3_programs[1]), _peak(o3_programs["replicas"])
+  layer = 3 * d * d + d * d + 2 * d * f
+  print(f"peak per device, pipeline replicas with counts: {replicas / 2**20:.1f} MiB "
+        f"({replicas / one:.3f} of one device's {one / 2**20:.1f} MiB)")
+  assert replicas <= one / 8 + 2 * layer * 9 + 2**20, (one, replicas)
 
 
 def test_weight_gather_arguments_are_checked():

@@ -171,13 +171,18 @@ def test_built_step_with_a_ramp_or_llama_matches_one_device(data, family, count)
   assert _update_error(state, metrics, ref, ref_metrics, variables) < 1e-5  # the update
 
 
-@pytest.mark.parametrize("level, grad_comm", [("O0", "native"), ("O1", "fp8")])
-def test_pipeline_replicas_with_their_own_counts_match_one_device(data, level, grad_comm):
+@pytest.mark.parametrize("level, grad_comm, zero_stage, stage_layers", [
+    ("O0", "native", 1, None), ("O1", "fp8", 1, None), ("O0", "native", 3, (1, 3)),
+    ("O1", "fp8", 3, None)])
+def test_pipeline_replicas_with_their_own_counts_match_one_device(data, level, grad_comm,
+                                                                  zero_stage, stage_layers):
   """Pipe 2 x data 4, each data-parallel group a pipeline replica with its own microbatch
   count (1, 3, 0, 2: balanced runs, ``parallel.device_map``): in f32 one step gives one
   device's update on the same microbatches to f32 rounding; with FP8 gradient
   communication (E4M3 sums over the replicas) within FP8's bound, and the FP8 state (max over
-  every replica's microbatches) equal to one device's."""
+  every replica's microbatches) equal to one device's. At ZeRO-3 each replica gathers each
+  layer where it runs and reduce-scatters its gradient in every slot (also with stages of
+  unequal depth)."""
   seed, batch, _ = data
   counts = (1, 3, 0, 2)
   model, variables = _variables(level, "float32" if level == "O0" else "bfloat16", seed)
@@ -185,9 +190,9 @@ def test_pipeline_replicas_with_their_own_counts_match_one_device(data, level, g
   tx = optax.sgd(0.1)
   init, (ref, ref_metrics) = _one_device(model, variables, tx, batch, sum(counts))
   mesh = parallel.make_mesh(data=4, pipe=2)
-  plan = parallel.plan(init(), mesh, 1, level=opt_level(level))
+  plan = parallel.plan(init(), mesh, zero_stage, level=opt_level(level))
   loop = GroupLoop(mesh, grad_comm=grad_comm, parts=model.parts(), counts=lambda k: counts,
-                   microbatch_size=2, schedule="gpipe")
+                   microbatch_size=2, schedule="gpipe", stage_layers=stage_layers)
   state, metrics = build_step(model.apply, tx, plan, sum(counts), loop)(
       plan.shard_state(init()), batch)
   err = _update_error(state, metrics, ref, ref_metrics, variables)
