@@ -18,7 +18,9 @@ Columns: ms per step, tokens/s, tokens/s against the first run, model TFLOP/s an
 the FP8 peak at FP8 levels, BF16's at O0; "-" where the device's peak is unknown), the compiled
 step's memory (arguments + outputs + temporaries, XLA's analysis, GiB), the last step's loss
 (the same step of every run: each run takes one step before the timed ones, an uncalibrated
-first step counting as it) and the seconds spent compiling and warming up.
+first step counting as it), the seconds the train step took to compile (ahead of time, with
+JAX's persistent compilation cache off for every run) and the seconds from the Trainer's
+set-up to the end of the warm-up (initialisation, calibration and compiles included).
 """
 from __future__ import annotations
 
@@ -56,7 +58,8 @@ COLUMNS = (report.Column("batch", "batch"), report.Column("ms", "ms/step", ".1f"
            report.Column("x_base", "tokens/s vs baseline"),
            report.Column("tflops", "model TFLOP/s", ".4g"), report.Column("mfu", "MFU", ".3f"),
            report.Column("gib", "compiled GiB", ".3g"), report.Column("loss", "loss", ".3f"),
-           report.Column("warmup_s", "compile+warm-up s", ".0f"))
+           report.Column("compile_s", "step compile s", ".1f"),
+           report.Column("warmup_s", "set-up+warm-up s", ".0f"))
 
 
 def add_arguments(parser) -> None:
@@ -150,7 +153,10 @@ def _first_line(e: Exception) -> str:
 def time_run(config: str | None, level: str, overrides, iters: int, log=print) -> dict:
   """One run's row values (see the module docstring)."""
   t0 = time.perf_counter()
-  cfg = load_config(config, list(overrides) + [f"train.opt_level={level}"])
+  # every program compiles (a persistent cache would serve a re-run's): step compile s is
+  # the step's own compile, lowered ahead of time
+  cfg = load_config(config, ["runtime.compile_cache=false", *overrides,
+                             f"train.opt_level={level}"])
   trainer = Trainer(cfg, progress=False)
   batch = trainer.next_batch(0)
   microbatches = cfg.microbatches_at(0)
@@ -165,7 +171,9 @@ def time_run(config: str | None, level: str, overrides, iters: int, log=print) -
     first += 1
   step = trainer.compiled_step(microbatches, calibrated=True)
   placed = step.place(batch)
+  t1 = time.perf_counter()
   compiled = step.jitted.lower(state, *placed).compile()
+  compile_s = time.perf_counter() - t1
   if not first:  # one step, as a run of uncalibrated first steps takes one: the timed steps
     state, _ = compiled(state, *placed)  # and their losses are then the same in every run
   log(f"compiled in {time.perf_counter() - t0:.1f} s (with the Trainer's set-up)")
@@ -193,7 +201,7 @@ def time_run(config: str | None, level: str, overrides, iters: int, log=print) -
   values = {"batch": int(batch.shape[0]), "ms": timing.median, "tokens_per_s": tps,
             "tflops": flops / 1e12, "mfu": None if None in peaks else flops / sum(peaks),
             "gib": memory_gib(compiled)["total"], "loss": float(np.asarray(timed[-1]["loss"])),
-            "warmup_s": warmup_s, "skipped": skipped > 0, "skipped_steps": skipped,
+            "compile_s": compile_s, "warmup_s": warmup_s, "skipped": skipped > 0, "skipped_steps": skipped,
             "auto": " ".join(trainer.auto.lines())}
   log(f"{values['ms']:.1f} ms/step, {tps:,.0f} tokens/s")
   return values
