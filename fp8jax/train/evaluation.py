@@ -174,6 +174,7 @@ def build_probe(model, plan: ZeroPlan, microbatches: int, microbatch_size: int, 
                      "without pipeline (the calibration pass alone runs through the stages)")
   sharding = batch_sharding(plan, balanced)
   gather = None if pipeline is not None else plan.weight_gather()
+  pipeline = pipeline and pipeline.with_plan(plan)  # (ZeRO-3: gathered per layer, as the step)
 
   def fp8_probe(params, fp8, batch):
     variables = _variables(params, fp8, matrix_dtype)

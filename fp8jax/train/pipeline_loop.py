@@ -140,10 +140,12 @@ def pipeline_fp8_updates(loop: PipelineLoop, variables, part) -> dict:
   backward through the stages of ``loop.mesh``'s "pipe" axis (the GPipe schedule over P slots
   of which the first runs, so each stage keeps at most P inputs, no more than either
   schedule's step keeps; ``loop.stage_layers`` as the step runs them), its sequences split
-  over the batch axes as the step splits a microbatch's. Only the FP8 state is
-  differentiated: the parameters enter as constants, so no weight-gradient GEMM runs (the
-  schedule's parameter accumulators stay zero, the step's size). Jittable; `variables` as
-  the step reads them (``TrainState.variables``)."""
+  over the batch axes as the step splits a microbatch's, parameters gathered as the step
+  gathers them (``loop.weight_gather``: ZeRO-3 per layer; give the loop
+  :meth:`PipelineLoop.with_plan`). Only the FP8 state is differentiated: the parameters
+  enter as constants, so no weight-gradient GEMM runs (the schedule's parameter
+  accumulators stay zero, the step's size). Jittable; `variables` as the step reads them
+  (``TrainState.variables``)."""
   fp8 = variables.get(FP8_COLLECTION, {})
   if not fp8:
     return {}
@@ -157,9 +159,10 @@ def pipeline_fp8_updates(loop: PipelineLoop, variables, part) -> dict:
       stage=lambda stacked, x: fns.stage(_frozen_params(stacked), x),
       last=lambda shared, y, p: fns.last(_frozen_params(shared), y, p))
   stacked, shared = loop.parts.split(variables)
-  _, g_stacked, g_shared = pipeline_lib.pipeline_grads(
-      frozen, loop.mesh, stacked, shared, parts, 1, schedule="gpipe",
-      stage_layers=loop.stage_layers)
+  with fsdp.gathering(loop.weight_gather):  # ZeRO-3: each layer gathered where it runs
+    _, g_stacked, g_shared = pipeline_lib.pipeline_grads(
+        frozen, loop.mesh, stacked, shared, parts, 1, schedule="gpipe",
+        stage_layers=loop.stage_layers)
   grads = loop.parts.merge(g_stacked, g_shared)
   return apply_fp8_updates({FP8_COLLECTION: fp8},
                            {FP8_COLLECTION: grads[FP8_COLLECTION]})[FP8_COLLECTION]
