@@ -4,8 +4,8 @@
       [--set model.n_layers=4 ...] --run O0=O0 --run O2=O2 \
       --run "O2 no fused update=O2,train.fused_optimizer=false"
 
-Each run is ``fp8jax train``'s step (``Trainer.step_fn``: uncalibrated first step, calibrated
-later ones where ``fp8.calibrate`` says so) on the config with the run's level and overrides,
+Each run is ``fp8jax train``'s step (``Trainer.step_fn``: where ``fp8.calibrate`` says so, a
+calibration pass before the first step, then the calibrated step throughout) on the config with the run's level and overrides,
 `--steps` steps on the first batch, one run after the other in this process. Prints each
 run's losses and the largest relative gap to the first run's, step by step: settings that
 should train alike (O0..O3, kernels on or off) stay within a few percent over a few steps; a

@@ -3,8 +3,8 @@
   python benchmarks/train/step_profile.py --config configs/gpt_1_3b.yaml --level O1 \
       [--steps 3] [--set model.n_layers=4 ...] [--top 25] [--trace-dir DIR] [--dump-hlo PATH]
 
-Builds the Trainer of the config at the level, compiles and warms up two steps (the first may
-run the uncalibrated model, see fp8.calibrate), then records `--steps` steps with
+Builds the Trainer of the config at the level, compiles and warms up two steps (the first
+after the calibration pass, see fp8.calibrate), then records `--steps` steps with
 ``jax.profiler.trace`` (Perfetto JSON) and sums the GPU kernels' durations per step: GEMMs
 (cuBLAS/cuBLASLt), attention (cuDNN), collectives, the fused FP8 cast kernels and XLA fusions
 split by name (convert = casts, reduce = amax and norms). Prints ms per step per category, the

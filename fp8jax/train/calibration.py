@@ -4,12 +4,13 @@ Delayed scaling casts a never-observed FP8 state with a just-in-time scale, whic
 cast wait for its own tensor's amax. The calibrated model (``Recipe(calibrated=True)``) trusts
 the stored scales instead. Before the first step a calibration pass (the FP8 probe,
 ``fp8jax.train.health.probe``: one microbatch forward+backward of the uncalibrated model, no
-parameter gradients) observes the step's first microbatch and :func:`calibrated_scales` gives
-every never-observed state the scale it observed, so the calibrated step runs from the first
-step on: one compiled train step per run. Where no calibration pass can run (pipeline stages)
-or some state is still unobserved after the calibrated step, :class:`Calibration` runs the
-uncalibrated model until every FP8 state has observed a tensor (checked after each such step;
-a restored state is checked afresh), then the calibrated one.
+parameter gradients; with pipeline stages through the stages, each holding its own layers)
+observes the step's first microbatch and :func:`calibrated_scales` gives every never-observed
+state the scale it observed, so the calibrated step runs from the first step on: one compiled
+train step per run. Where some state is still unobserved after the calibrated step (a GEMM
+the first microbatch did not reach), :class:`Calibration` runs the uncalibrated model until
+every FP8 state has observed a tensor (checked after each such step; a restored state is
+checked afresh), then the calibrated one.
 """
 from __future__ import annotations
 

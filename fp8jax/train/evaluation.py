@@ -3,8 +3,10 @@ evaluation step and the FP8 probe (cast health and calibration).
 
 Both take the step's microbatch (its size, its placement over the batch axes), the model as
 the step applies it (remat policy, GEMM weights decoded to the compute dtype inside the
-program, ZeRO-3 gathering each parameter at use) and the parameters and FP8 state where the
-plan keeps them, and neither forms a parameter gradient: neither needs more device memory
+program, ZeRO-3 gathering each parameter at use; with pipeline stages through the stages,
+each holding its own layers: the evaluation and the calibration pass, not the cast-health
+probe) and the parameters and FP8 state where the plan keeps them, and neither forms a
+parameter gradient: neither needs more device memory
 than the train step beside the state the run holds anyway. The evaluation step loops over up
 to the step's microbatch count of microbatches inside one program (a loop with a dynamic
 trip count: one compile serves a last, shorter call) and returns loss sums and token counts.
@@ -26,6 +28,7 @@ from fp8jax.train import health as health_lib
 from fp8jax.train.calibration import calibrated_scales
 from fp8jax.train.state import TrainState
 from fp8jax.train.loss import batch_loss
+from fp8jax.train.pipeline_loop import pipeline_fp8_updates
 from fp8jax.train.step import PipelineLoop, eval_loss_fn, scan_microbatches
 
 
@@ -152,20 +155,33 @@ def fp8_updates(apply_fn: Callable, variables: dict, batch: jax.Array) -> dict:
 
 
 def build_probe(model, plan: ZeroPlan, microbatches: int, microbatch_size: int, *,
-                health: bool, balanced: bool = False, matrix_dtype=None) -> Probe:
+                health: bool, balanced: bool = False, pipeline: PipelineLoop | None = None,
+                matrix_dtype=None) -> Probe:
   """The FP8 probe of `model` (the uncalibrated model: on observed FP8 state it casts as the
   calibrated one) on the first microbatch of a batch of the train step's shape and placement
   (`microbatches` x `microbatch_size` sequences; `balanced`: see :func:`batch_sharding`):
   ``(health, fp8)`` where health is ``fp8jax.train.health.probe``'s (`health` True: a linen
   model; else {}) and fp8 is the state with :func:`fp8jax.train.calibration.
-  calibrated_scales` from that microbatch."""
+  calibrated_scales` from that microbatch.
+
+  `pipeline`: the train step's pipeline loop, or None. With it (and `health` False) the
+  microbatch runs through the pipeline's stages as the step runs it
+  (``fp8jax.train.pipeline_loop.pipeline_fp8_updates``: each stage its own layers, no
+  parameter gradient); `health` True applies the model whole (its cast-health collections
+  do not cross the stages), so with `pipeline` it is refused."""
+  if pipeline is not None and health:
+    raise ValueError("build_probe: the cast-health probe applies the model whole; build it "
+                     "without pipeline (the calibration pass alone runs through the stages)")
   sharding = batch_sharding(plan, balanced)
-  gather = plan.weight_gather()
+  gather = None if pipeline is not None else plan.weight_gather()
+  pipeline = pipeline and pipeline.with_plan(plan)  # (ZeRO-3: gathered per layer, as the step)
 
   def fp8_probe(params, fp8, batch):
     variables = _variables(params, fp8, matrix_dtype)
     # the first microbatch, sliced as the train step's loop slices it
     part = batch.reshape(microbatches, microbatch_size, *batch.shape[1:])[0]
+    if pipeline is not None:
+      return {}, calibrated_scales(fp8, pipeline_fp8_updates(pipeline, variables, part))
     with fsdp.gathering(gather):
       if health:
         out, observed = health_lib.probe(model, variables, part)

@@ -109,7 +109,9 @@ class Trainer:
   def _build_programs(self, recipe, calibrate: bool) -> None:
     """Builds what runs the model with `recipe`'s GEMMs (None: BF16): the calibration
     (``fp8.calibrate``), the train steps, the evaluation step and the FP8 probe (cast health
-    and calibration pass), all on the train step's memory plan."""
+    and calibration pass; with pipeline stages and cast health on, a calibration pass of its
+    own through the stages: ``build.health_probe_calibrates``), all on the train step's
+    memory plan."""
     first = self.run_model.for_recipe(recipe)
     steady = self.run_model.for_recipe(recipe.replace(calibrated=True)) if calibrate else None
     self.calibration = Calibration(first, steady)
@@ -118,10 +120,12 @@ class Trainer:
         self.balanced_counts if self.group_seconds is not None else None)
     self._eval = build.eval_step(self.config, self.plan, self.calibration.model)
     self.health_on = self._health_on(recipe, first)
-    by_probe = self.calibration.enabled and build.calibrates_by_probe(self.config)
+    calibrating = self.calibration.enabled
+    shared = not self.health_on or build.health_probe_calibrates(self.config)
     self._probe = (build.fp8_probe(self.config, self.plan, first, health=self.health_on)
-                   if self.health_on or by_probe else None)
-    self._calibrate = self._probe if by_probe else None
+                   if self.health_on or (calibrating and shared) else None)
+    self._calibrate = (None if not calibrating else self._probe if shared else
+                       build.fp8_probe(self.config, self.plan, first, health=False))
 
   def _health_on(self, recipe, model) -> bool:
     """Whether the run probes FP8 cast health (``train.fp8_health_every``): FP8 GEMMs, a linen
@@ -217,9 +221,10 @@ class Trainer:
 
   def _warm_up_probe(self) -> None:
     """Runs the FP8 health probe once before any timed log window, so that its compile is
-    not counted as training time; not when a calibration pass will run it first (with the
-    step's compile)."""
-    calibrating = self._calibrate is not None and self.calibration.wants_pass(self.state.fp8)
+    not counted as training time; not when the calibration pass is that probe and will run
+    it first (with the step's compile)."""
+    calibrating = (self._calibrate is self._probe is not None
+                   and self.calibration.wants_pass(self.state.fp8))
     if self.health_on and not calibrating:
       t = self.config.train
       self._phase = oom.PROBE
@@ -321,9 +326,11 @@ class Trainer:
     """The train step ``(state, batch) -> (state, metrics)`` for `microbatches` microbatches
     (``fp8.calibrate``): while some FP8 state has observed nothing, a calibration pass (the
     FP8 probe on the batch's first microbatch, :func:`fp8jax.train.calibration.
-    calibrated_scales`) gives it a scale and the calibrated model's step runs (one compiled
-    step); with pipeline stages, or a state still unobserved after that, the uncalibrated
-    model's step runs until every state has observed a tensor (a second compile)."""
+    calibrated_scales`; with pipeline stages through the stages) gives it a scale and the
+    calibrated model's step runs: one compiled train step per run, pipeline or not. Only a
+    state still unobserved after that pass and its step (a GEMM the first microbatch did
+    not reach) makes the uncalibrated model's step run until every state has observed a
+    tensor (a second compile)."""
     def run(state, batch):
       state = self.calibrate(state, batch)
       first = self.calibration.uses_first(state.fp8)

@@ -6,11 +6,13 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fp8jax import fsdp
 from fp8jax.accumulate import widen
+from fp8jax.linen import FP8_COLLECTION, apply_fp8_updates
 from fp8jax.parallel import layout
 from fp8jax.parallel import pipeline as pipeline_lib
 from fp8jax.parallel.mesh import pipe_size
@@ -123,6 +125,47 @@ def pipeline_microbatches(loop: PipelineLoop, variables, batch, microbatches: in
         stage_layers=loop.stage_layers)
   grads = loop.parts.merge(g_stacked, g_shared)
   return loss, {**grads, "params": jax.tree.map(widen, grads["params"])}
+
+
+def _frozen_params(variables):
+  """`variables` whose parameters are constants to differentiation (``lax.stop_gradient``)."""
+  if "params" not in variables:
+    return variables
+  return {**variables, "params": lax.stop_gradient(variables["params"])}
+
+
+def pipeline_fp8_updates(loop: PipelineLoop, variables, part) -> dict:
+  """The FP8 collection as a train step's pipeline on the microbatch `part` int32[m, T+1]
+  would leave it (``fp8jax.apply_fp8_updates``; {} without one): the microbatch's forward and
+  backward through the stages of ``loop.mesh``'s "pipe" axis (the GPipe schedule over P slots
+  of which the first runs, so each stage keeps at most P inputs, no more than either
+  schedule's step keeps; ``loop.stage_layers`` as the step runs them), its sequences split
+  over the batch axes as the step splits a microbatch's, parameters gathered as the step
+  gathers them (``loop.weight_gather``: ZeRO-3 per layer; give the loop
+  :meth:`PipelineLoop.with_plan`). Only the FP8 state is differentiated: the parameters
+  enter as constants, so no weight-gradient GEMM runs (the schedule's parameter
+  accumulators stay zero, the step's size). Jittable; `variables` as the step reads them
+  (``TrainState.variables``)."""
+  fp8 = variables.get(FP8_COLLECTION, {})
+  if not fp8:
+    return {}
+  stages = loop.stages
+  parts = lax.with_sharding_constraint(
+      jnp.broadcast_to(part, (stages, *part.shape)),
+      NamedSharding(loop.mesh, P(None, layout.group_axes(loop.mesh))))
+  fns = loop.stage_fns()
+  frozen = pipeline_lib.Stages(
+      first=lambda shared, p: fns.first(_frozen_params(shared), p),
+      stage=lambda stacked, x: fns.stage(_frozen_params(stacked), x),
+      last=lambda shared, y, p: fns.last(_frozen_params(shared), y, p))
+  stacked, shared = loop.parts.split(variables)
+  with fsdp.gathering(loop.weight_gather):  # ZeRO-3: each layer gathered where it runs
+    _, g_stacked, g_shared = pipeline_lib.pipeline_grads(
+        frozen, loop.mesh, stacked, shared, parts, 1, schedule="gpipe",
+        stage_layers=loop.stage_layers)
+  grads = loop.parts.merge(g_stacked, g_shared)
+  return apply_fp8_updates({FP8_COLLECTION: fp8},
+                           {FP8_COLLECTION: grads[FP8_COLLECTION]})[FP8_COLLECTION]
 
 
 def pipeline_step_fn(pipeline: PipelineLoop, tx, microbatches: int, reduce_gradients,

@@ -2,7 +2,9 @@
 
 :func:`measure` times one train step of one microbatch per size and returns the profile dict
 of :mod:`fp8jax.parallel.profile` (format, validation, reading and writing live there);
-``fp8jax profile`` runs it.
+``fp8jax profile`` runs it. With ``fp8.calibrate`` on it times the calibrated step, its FP8
+scales from the Trainer's calibration pass (one microbatch, no parameter gradients), as the
+Trainer runs it: one train-step program per size.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import numpy as np
 from fp8jax.hardware import local_report
 from fp8jax.parallel.profile import FORMAT, validate
 from fp8jax.train.build import calibration_on, model_and_optimizer, resolve_auto
-from fp8jax.train.calibration import calibrated
+from fp8jax.train.calibration import calibrated, calibrated_scales
+from fp8jax.train.evaluation import fp8_updates
 from fp8jax.train.guards import skip_nonfinite_steps
 from fp8jax.train.state import init_state
 from fp8jax.train.step import make_train_step
@@ -29,6 +32,16 @@ def _median_seconds(fn, state, batch, steps: int):
     state, metrics = jax.block_until_ready(fn(state, batch))
     times.append(time.perf_counter() - t0)
   return float(np.median(times)), state
+
+
+def _calibration_pass(model):
+  """The Trainer's calibration pass on one device, jitted: ``(state, batch int32[m, T+1]) ->
+  FP8 state`` whose never-observed metas take the scales `batch` gives them
+  (``fp8jax.train.evaluation.fp8_updates``: the FP8 state differentiated alone, then
+  ``fp8jax.train.calibration.calibrated_scales``)."""
+  def fp8_probe(state, batch):
+    return calibrated_scales(state.fp8, fp8_updates(model.apply, state.variables(), batch))
+  return jax.jit(fp8_probe)
 
 
 def _peak_bytes(compiled) -> int | None:
@@ -71,10 +84,11 @@ def measure(config, sizes: Sequence[int], steps: int = 5,
                                       donate_argnums=0)
     step = make_step(model)
     rng = np.random.default_rng(0)
-    if calibration_on(config):  # the calibrated step (its scales from one uncalibrated step)
+    if calibration_on(config):  # the calibrated step, its scales from a calibration pass
       first = rng.integers(0, config.model.vocab_size, (sizes[0], d.seq_len + 1), np.int32)
       try:
-        state, _ = step(state, jax.device_put(first, device))
+        state = state._replace(fp8=_calibration_pass(model)(state, jax.device_put(first,
+                                                                                  device)))
         step = make_step(calibrated(model))
       except Exception as e:  # noqa: BLE001 - out of memory: the sweep below records it
         if not _is_oom(e):

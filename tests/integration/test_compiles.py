@@ -1,5 +1,5 @@
 """A run compiles its train step once (the FP8 calibration is a probe pass, not a second
-step program), and a second run of the same config loads its programs from the persistent
+step program; with pipeline stages too), and a second run of the same config loads its programs from the persistent
 compilation cache (``runtime.compile_cache``)."""
 import jax
 import pytest
@@ -28,8 +28,20 @@ def _run(cfg) -> CompileLog:
   return log
 
 
+# Pipeline stages (8 CPU devices: 2 stages x data 4): the calibration pass runs through the
+# stages; 1F1B and a batch ramp whose first step runs fewer microbatches than the stages (one
+# dynamic step program). The cast-health probe is off there: it applies the model whole, a
+# program of its own.
+PIPELINE = ["parallel.pipeline_parallel_size=2", "parallel.pipeline_schedule=1f1b",
+            "parallel.zero_stage=1", "model.n_layers=2", "train.batch_size=16",
+            "train.microbatches=2", "train.fp8_health_every=0",
+            "train.batch_ramp={start_tokens: 256, end_tokens: 512, ramp_steps: 1}"]
+
+
+@pytest.mark.parametrize("stages", [1, 2])
 def test_one_train_step_compile_per_run_and_a_second_run_hits_the_cache(tmp_path,
-                                                                         session_cache):
+                                                                         session_cache,
+                                                                         stages):
   cache = tmp_path / "cache"
   cfg = load_config(TINY, [
       "train.opt_level=O1", "fp8.calibrate=always", "train.steps=2", "train.log_every=1",
@@ -37,7 +49,7 @@ def test_one_train_step_compile_per_run_and_a_second_run_hits_the_cache(tmp_path
       "train.batch_size=4", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",
       "model.d_ff=64", "data.seq_len=32", "model.max_seq_len=32", "data.max_bytes=200000",
       "checkpoint.checkpoint_every_n_steps=0", f"runtime.run_dir={tmp_path / 'run'}",
-      f"runtime.compile_cache={cache}"])
+      f"runtime.compile_cache={cache}", *(PIPELINE if stages > 1 else [])])
   first = _run(cfg)
   assert jax.config.jax_compilation_cache_dir == str(cache)
   for name in ("train_step", "fp8_probe", "eval_step"):  # (calibration + health: one probe)

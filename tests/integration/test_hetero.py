@@ -294,14 +294,18 @@ def test_profile_measures_sizes_and_round_trips(tmp_path):
 
 
 def test_profile_calibrates_like_the_trainer(monkeypatch):
-  """With fp8.calibrate on, the profile times the calibrated step (after one uncalibrated
-  step), as the Trainer runs it."""
+  """With fp8.calibrate on, the profile times the calibrated step, its scales from a
+  calibration pass (as the Trainer runs it): one train-step program."""
+  from fp8jax.train.compiles import CompileLog
   models = []
   real = train_profile.calibrated
   monkeypatch.setattr(train_profile, "calibrated",
                       lambda m: models.append(real(m)) or models[-1])
-  data = train_profile.measure(_tiny(**{"fp8.calibrate": "always"}), [1], steps=1)
+  with CompileLog() as log:
+    data = train_profile.measure(_tiny(**{"fp8.calibrate": "always"}), [1], steps=1)
   assert data["points"][0]["fits"] and len(models) == 1 and models[0].recipe.calibrated
+  # (the step jax names after guards.skip_nonfinite_steps's wrapper)
+  assert len(log.of("guarded")) == len(log.of("fp8_probe")) == 1, log.compiles
   train_profile.measure(_tiny(**{"fp8.calibrate": "never"}), [1], steps=1)
   assert len(models) == 1
 

@@ -21,7 +21,10 @@ from fp8jax.linen import FP8_COLLECTION
 from fp8jax.models.gpt import GPT, ModelConfig
 from fp8jax.parallel import pipeline, zero
 from fp8jax.recipe import opt_level
+from fp8jax.train.calibration import any_unobserved
+from fp8jax.train.evaluation import fp8_updates
 from fp8jax.train.loss import batch_loss
+from fp8jax.train.pipeline_loop import pipeline_fp8_updates
 from fp8jax.train.state import TrainState
 from fp8jax.train.step import GroupLoop, PipelineLoop, build_step, make_train_step, \
     eval_loss_fn, pipeline_microbatches, scan_microbatches
@@ -214,6 +217,25 @@ def test_pipelined_evaluation_is_the_models_loss(data):
   got = jax.jit(eval_loss_fn(model.apply, pipeline=loop))(state.variables(), batch[:MB])
   want = batch_loss(model.apply, variables, batch[:MB])
   assert abs(float(got) - float(want)) < 1e-6 * float(want)
+
+
+@pytest.mark.parametrize("stages, data_size, stage_layers", [(2, 4, (1, 3)), (4, 2, None)])
+def test_pipeline_calibration_pass_is_one_devices(data, stages, data_size, stage_layers):
+  """The calibration pass through the stages (one microbatch, only the FP8 state
+  differentiated; uneven stages too) leaves the FP8 state one device's pass over the whole
+  model leaves (f32 compute, O1): every fresh state observed, each layer's from its own
+  stage, to f32 rounding."""
+  seed, batch, _ = data
+  model, variables = _variables("O1", "float32", seed)
+  part = batch[:MB]
+  want = jax.jit(lambda v, b: fp8_updates(model.apply, v, b))(variables, part)
+  mesh = parallel.make_mesh(data=data_size, pipe=stages)
+  loop = PipelineLoop(mesh, model.parts(), stage_layers=stage_layers)
+  placed = jax.device_put(variables, zero.replicated(variables, mesh))
+  got = jax.jit(lambda v, b: pipeline_fp8_updates(loop, v, b))(placed, part)
+  assert any_unobserved(variables[FP8_COLLECTION]) and not any_unobserved(got)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  assert rel_error(_flat(got), _flat(want)) < 1e-6, rel_error(_flat(got), _flat(want))
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Pipeline stages of unequal depth (``parallel.pipeline_layers``): the split in proportion to
 stage speed, the padded layout, a step with uneven stages equal to one device's (both
 schedules, the pipeline replicas of a balanced run too), and the Trainer choosing the split from
-the devices' kinds."""
+the devices' kinds (with its calibration pass through the uneven stages)."""
 import json
 
 import jax
@@ -92,8 +92,9 @@ def test_uneven_stages_match_one_device(level, schedule, split, tol):
     assert rel_error(g, r) < tol, (jax.tree_util.keystr(path), rel_error(g, r))
 
 
-def _config(run_dir, **parallel_over):
+def _config(run_dir, fp8=None, **parallel_over):
   return config_from_dict({
+      **({"fp8": fp8} if fp8 else {}),
       "model": {**MODEL, "max_seq_len": 16},
       "data": {"seq_len": 16, "max_bytes": 100_000},
       "train": {"steps": 2, "batch_size": 16, "microbatches": 2, "warmup_steps": 1,
@@ -106,11 +107,17 @@ def _config(run_dir, **parallel_over):
 def test_trainer_gives_the_faster_stage_more_layers(tmp_path, capsys):
   """8 CPU devices declared 4 x A100 + 4 x H100 (stage 0 on the A100s), H100 3x faster: the
   run gives stage 0 one layer and stage 1 three (balanced pipeline replicas), trains and
-  evaluates."""
+  evaluates; calibrated FP8 scaling (a calibration pass through the uneven stages) keeps it
+  to one compiled train step."""
+  from fp8jax.train.compiles import CompileLog
   from fp8jax.train.loop import Trainer
-  cfg = _config(tmp_path / "run", device_map={"A100": 1.0, "H100": 3.0},
-                device_kinds="4xA100+4xH100")
-  Trainer(cfg, progress=False).run()
+  cfg = _config(tmp_path / "run", fp8={"calibrate": "always"},
+                device_map={"A100": 1.0, "H100": 3.0}, device_kinds="4xA100+4xH100")
+  with CompileLog() as log:
+    trainer = Trainer(cfg, progress=False)
+    trainer.run()
+  assert len(log.of("train_step")) == len(log.of("fp8_probe")) == 1, log.compiles
+  assert trainer.calibration.passes == 1 and trainer.calibration.pending is False
   out = capsys.readouterr().out
   assert "layers per stage: 1, 3" in out, out
   records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
