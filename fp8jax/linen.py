@@ -68,32 +68,37 @@ def _chained(module: nn.Module, fn, lhs, rhs, *rest, activation: str | None = No
   if meta is None:
     meta = Fp8DotMeta(*(variables[role].value for role in _ROLES))
   probing = module.is_mutable_collection(HEALTH_COLLECTION) and not module.is_initializing()
+  # Like nn.Module.perturb: the taps are created when the collection is mutable, else used
+  # if given (a probe that cannot make HEALTH_COLLECTION mutable, e.g. through pipeline
+  # stages, reads the forward casts' health from the "forward_health" tap's gradient).
+  tapping = (module.is_mutable_collection(PERTURBATIONS)
+             or module.has_variable(PERTURBATIONS, "output_grad_health"))
   calibrating = (module.is_mutable_collection(CALIBRATION_COLLECTION)
                  and not module.is_initializing())
-  if probing or calibrating:
+  if probing or calibrating or tapping:
     operand = (cast_transpose.activate(lhs, activation) if norm is None
                else cast_transpose.rms_norm(lhs, *norm))
   if probing:
     _sow_cast_health(module, meta, operand, rhs)
+  if tapping:
+    forward = module.variable(PERTURBATIONS, "forward_health", jnp.zeros, (4,), jnp.float32)
+    lhs = _forward_health_tap(lhs, forward.value, forward_health(module.recipe, meta,
+                                                                  operand, rhs))
   if calibrating:
     axes = tuple(getattr(module, "amax_axes", ()))
     for role, x in zip(_FORWARD_ROLES, (operand, rhs)):
       module.sow(CALIBRATION_COLLECTION, role, scaling.compute_amax(x, axes),
                  reduce_fn=jnp.maximum, init_fn=lambda: jnp.zeros((), jnp.float32))
   y, chain[module.scope.path] = fn(lhs, rhs, *rest, meta)
-  if probing:
+  if tapping:
     og = meta.output_grad
     # The scale the backward cast will use; 0 when it uses the gradient's own amax (current
     # scaling, or a delayed meta that has observed nothing yet).
     stored = (jnp.max(og.amax_history) > 0) & (module.recipe.scaling == "delayed")
     # The probe differentiates w.r.t. this zero f32[2]: its gradient is the (saturated,
     # flushed) fractions of the output gradient's cast (summed over the layer's calls).
-    # Like nn.Module.perturb: created when the collection is mutable, else used if given.
-    if (module.is_mutable_collection(PERTURBATIONS)
-        or module.has_variable(PERTURBATIONS, "output_grad_health")):
-      tap = module.variable(PERTURBATIONS, "output_grad_health", jnp.zeros, (2,), jnp.float32)
-      y = _health_tap(y, tap.value, jnp.where(stored, og.scale, 0.0),
-                      module.recipe.bwd_format)
+    tap = module.variable(PERTURBATIONS, "output_grad_health", jnp.zeros, (2,), jnp.float32)
+    y = _health_tap(y, tap.value, jnp.where(stored, og.scale, 0.0), module.recipe.bwd_format)
   return y
 
 
@@ -125,15 +130,44 @@ def _health_tap_bwd(fmt, scale, g):
 _health_tap.defvjp(_health_tap_fwd, _health_tap_bwd)
 
 
+def forward_health(recipe, meta, lhs, rhs) -> jax.Array:
+  """f32[4]: (input saturated, input flushed, kernel saturated, kernel flushed) fractions of
+  a GEMM's two forward casts with `meta`'s scales (``scaling.cast_health``)."""
+  out = []
+  for x, m in ((lhs, meta.input), (rhs, meta.kernel)):
+    scale = scaling.scale_for_cast(m, scaling.compute_amax(x), recipe, recipe.fwd_format)
+    out += scaling.cast_health(x, scale, recipe.fwd_format)
+  return jnp.stack(out)
+
+
+@jax.custom_vjp
+def _forward_health_tap(x, tap, health):
+  """Identity on `x`; the cotangent of `tap` (f32[4]) is `health` (:func:`forward_health`),
+  so a probe that differentiates the taps reads the forward casts' health (summed over a
+  layer's calls) without a mutable collection."""
+  del tap, health
+  return x
+
+
+def _forward_health_tap_fwd(x, tap, health):
+  del tap
+  return x, health
+
+
+def _forward_health_tap_bwd(health, g):
+  return g, health, jnp.zeros_like(health)
+
+
+_forward_health_tap.defvjp(_forward_health_tap_fwd, _forward_health_tap_bwd)
+
+
 def _sow_cast_health(module, meta, lhs, rhs) -> None:
   """Sows the saturated / flushed fractions of this GEMM's two forward casts (max over calls)."""
-  r = module.recipe
-  for role, x, m in (("input", lhs, meta.input), ("kernel", rhs, meta.kernel)):
-    scale = scaling.scale_for_cast(m, scaling.compute_amax(x), r, r.fwd_format)
-    sat, flushed = scaling.cast_health(x, scale, r.fwd_format)
-    for name, v in (("saturated", sat), ("flushed", flushed)):
-      module.sow(HEALTH_COLLECTION, f"{role}_{name}", v, reduce_fn=jnp.maximum,
-                 init_fn=lambda: jnp.zeros(()))
+  fractions = forward_health(module.recipe, meta, lhs, rhs)
+  for i, (role, name) in enumerate((("input", "saturated"), ("input", "flushed"),
+                                    ("kernel", "saturated"), ("kernel", "flushed"))):
+    module.sow(HEALTH_COLLECTION, f"{role}_{name}", fractions[i], reduce_fn=jnp.maximum,
+               init_fn=lambda: jnp.zeros(()))
 
 
 def _weight_shardings(module: nn.Module, rhs) -> tuple[Any, bool]:

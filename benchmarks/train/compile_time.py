@@ -10,8 +10,7 @@ steps with an evaluation and an FP8 health probe at the last step (``train.eval_
 fresh subprocess with the persistent compilation cache off (``runtime.compile_cache=false``:
 every program compiles). ``fp8jax.train.compiles.CompileLog`` records every compile request
 (``jax.monitoring``); the table gives, per level, the seconds and count of the train step's
-compiles, the FP8 probe's (calibration pass and health probe: one program; with pipeline
-stages two, the health probe applying the model whole), the evaluation
+compiles, the FP8 probe's (calibration pass and health probe: one program), the evaluation
 step's, the rest (state initialisation, small eager programs), their total, and the wall time
 from the Trainer's construction to the end of the run. ``--cached``: each level runs twice
 more with a fresh cache folder, the second run loading its programs (the "cached" columns:

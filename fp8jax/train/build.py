@@ -379,25 +379,14 @@ def eval_step(config, plan: ZeroPlan, model) -> EvalStep:
 def fp8_probe(config, plan: ZeroPlan, model, health: bool) -> Probe:
   """The run's FP8 probe on one train-step microbatch (``fp8jax.train.evaluation.
   build_probe``: cast health when `health`, calibrated scales) of `model` (the uncalibrated
-  model). With pipeline stages the probe without `health` (the calibration pass) runs
-  through the stages as the step runs them (each stage its own layers: no more memory than
-  the step); the cast-health probe applies the model whole (see
-  :func:`health_probe_calibrates`)."""
+  model). With pipeline stages it runs through the stages as the step runs them (each stage
+  its own layers: no more memory than the step). One program serves the run's cast-health
+  probes and its calibration pass."""
   t = config.train
-  pipeline = None if health else pipeline_loop(config, plan, model)
+  pipeline = pipeline_loop(config, plan, model)
   return build_probe(model, plan, t.microbatches, t.microbatch_size, health=health,
                      balanced=config.parallel.device_map is not None, pipeline=pipeline,
                      matrix_dtype=matrix_dtype(config))
-
-
-def health_probe_calibrates(config) -> bool:
-  """Whether a run that probes FP8 cast health calibrates with its health probe (one probe
-  program for both) rather than with a probe of its own (:func:`fp8_probe` without health):
-  everywhere but with pipeline stages, where the health probe applies the model whole and
-  the calibration pass runs through the stages. Either way every run calibrates with a
-  probe pass before its first step, and its calibrated step is its only train-step
-  program."""
-  return config.parallel.pipeline_parallel_size == 1
 
 
 class StepCache:

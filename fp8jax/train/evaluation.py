@@ -21,14 +21,14 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from fp8jax import fsdp
-from fp8jax.linen import FP8_COLLECTION, apply_fp8_updates
+from fp8jax.linen import FP8_COLLECTION, PERTURBATIONS, apply_fp8_updates
 from fp8jax.parallel import layout
 from fp8jax.parallel.zero import ZeroPlan
 from fp8jax.train import health as health_lib
 from fp8jax.train.calibration import calibrated_scales
 from fp8jax.train.state import TrainState
 from fp8jax.train.loss import batch_loss
-from fp8jax.train.pipeline_loop import pipeline_fp8_updates
+from fp8jax.train.pipeline_loop import pipeline_probe
 from fp8jax.train.step import PipelineLoop, eval_loss_fn, scan_microbatches
 
 
@@ -164,14 +164,10 @@ def build_probe(model, plan: ZeroPlan, microbatches: int, microbatch_size: int, 
   model; else {}) and fp8 is the state with :func:`fp8jax.train.calibration.
   calibrated_scales` from that microbatch.
 
-  `pipeline`: the train step's pipeline loop, or None. With it (and `health` False) the
-  microbatch runs through the pipeline's stages as the step runs it
-  (``fp8jax.train.pipeline_loop.pipeline_fp8_updates``: each stage its own layers, no
-  parameter gradient); `health` True applies the model whole (its cast-health collections
-  do not cross the stages), so with `pipeline` it is refused."""
-  if pipeline is not None and health:
-    raise ValueError("build_probe: the cast-health probe applies the model whole; build it "
-                     "without pipeline (the calibration pass alone runs through the stages)")
+  `pipeline`: the train step's pipeline loop, or None. With it the microbatch runs through
+  the pipeline's stages as the step runs it (``fp8jax.train.pipeline_loop.pipeline_probe``:
+  each stage its own layers, no parameter gradient; the cast-health taps ride in the
+  stacked and shared variables)."""
   sharding = batch_sharding(plan, balanced)
   gather = None if pipeline is not None else plan.weight_gather()
   pipeline = pipeline and pipeline.with_plan(plan)  # (ZeRO-3: gathered per layer, as the step)
@@ -181,7 +177,11 @@ def build_probe(model, plan: ZeroPlan, microbatches: int, microbatch_size: int, 
     # the first microbatch, sliced as the train step's loop slices it
     part = batch.reshape(microbatches, microbatch_size, *batch.shape[1:])[0]
     if pipeline is not None:
-      return {}, calibrated_scales(fp8, pipeline_fp8_updates(pipeline, variables, part))
+      taps = health_lib.taps(model, variables, part[:, :-1]) if health else {}
+      observed, tap_grads = pipeline_probe(
+          pipeline, {**variables, PERTURBATIONS: taps} if taps else variables, part)
+      out = health_lib.health_from_taps(tap_grads) if health else {}
+      return out, calibrated_scales(fp8, observed)
     with fsdp.gathering(gather):
       if health:
         out, observed = health_lib.probe(model, variables, part)

@@ -109,9 +109,7 @@ class Trainer:
   def _build_programs(self, recipe, calibrate: bool) -> None:
     """Builds what runs the model with `recipe`'s GEMMs (None: BF16): the calibration
     (``fp8.calibrate``), the train steps, the evaluation step and the FP8 probe (cast health
-    and calibration pass; with pipeline stages and cast health on, a calibration pass of its
-    own through the stages: ``build.health_probe_calibrates``), all on the train step's
-    memory plan."""
+    and calibration pass: one program), all on the train step's memory plan."""
     first = self.run_model.for_recipe(recipe)
     steady = self.run_model.for_recipe(recipe.replace(calibrated=True)) if calibrate else None
     self.calibration = Calibration(first, steady)
@@ -121,11 +119,9 @@ class Trainer:
     self._eval = build.eval_step(self.config, self.plan, self.calibration.model)
     self.health_on = self._health_on(recipe, first)
     calibrating = self.calibration.enabled
-    shared = not self.health_on or build.health_probe_calibrates(self.config)
     self._probe = (build.fp8_probe(self.config, self.plan, first, health=self.health_on)
-                   if self.health_on or (calibrating and shared) else None)
-    self._calibrate = (None if not calibrating else self._probe if shared else
-                       build.fp8_probe(self.config, self.plan, first, health=False))
+                   if self.health_on or calibrating else None)
+    self._calibrate = self._probe if calibrating else None
 
   def _health_on(self, recipe, model) -> bool:
     """Whether the run probes FP8 cast health (``train.fp8_health_every``): FP8 GEMMs, a linen

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fp8jax import fsdp
 from fp8jax.accumulate import widen
-from fp8jax.linen import FP8_COLLECTION, apply_fp8_updates
+from fp8jax.linen import FP8_COLLECTION, PERTURBATIONS, apply_fp8_updates
 from fp8jax.parallel import layout
 from fp8jax.parallel import pipeline as pipeline_lib
 from fp8jax.parallel.mesh import pipe_size
@@ -134,21 +134,22 @@ def _frozen_params(variables):
   return {**variables, "params": lax.stop_gradient(variables["params"])}
 
 
-def pipeline_fp8_updates(loop: PipelineLoop, variables, part) -> dict:
-  """The FP8 collection as a train step's pipeline on the microbatch `part` int32[m, T+1]
-  would leave it (``fp8jax.apply_fp8_updates``; {} without one): the microbatch's forward and
-  backward through the stages of ``loop.mesh``'s "pipe" axis (the GPipe schedule over P slots
-  of which the first runs, so each stage keeps at most P inputs, no more than either
-  schedule's step keeps; ``loop.stage_layers`` as the step runs them), its sequences split
-  over the batch axes as the step splits a microbatch's, parameters gathered as the step
-  gathers them (``loop.weight_gather``: ZeRO-3 per layer; give the loop
-  :meth:`PipelineLoop.with_plan`). Only the FP8 state is differentiated: the parameters
-  enter as constants, so no weight-gradient GEMM runs (the schedule's parameter
-  accumulators stay zero, the step's size). Jittable; `variables` as the step reads them
-  (``TrainState.variables``)."""
+def pipeline_probe(loop: PipelineLoop, variables, part) -> tuple[dict, dict]:
+  """(fp8, tap gradients): the FP8 collection as a train step's pipeline on the microbatch
+  `part` int32[m, T+1] would leave it (``fp8jax.apply_fp8_updates``; {} without one), and the
+  gradients of the cast-health taps in `variables`' ``perturbations`` collection
+  (``fp8jax.train.health.taps``; {} without them). The microbatch runs forward and backward
+  through the stages of ``loop.mesh``'s "pipe" axis (the GPipe schedule over P slots of which
+  the first runs, so each stage keeps at most P inputs, no more than either schedule's step
+  keeps; ``loop.stage_layers`` as the step runs them), its sequences split over the batch
+  axes as the step splits a microbatch's, parameters gathered as the step gathers them
+  (``loop.weight_gather``: ZeRO-3 per layer; give the loop :meth:`PipelineLoop.with_plan`).
+  Only the FP8 state and the taps are differentiated: the parameters enter as constants, so
+  no weight-gradient GEMM runs (the schedule's parameter accumulators stay zero, the step's
+  size). Jittable; `variables` as the step reads them (``TrainState.variables``)."""
   fp8 = variables.get(FP8_COLLECTION, {})
   if not fp8:
-    return {}
+    return {}, {}
   stages = loop.stages
   parts = lax.with_sharding_constraint(
       jnp.broadcast_to(part, (stages, *part.shape)),
@@ -164,8 +165,9 @@ def pipeline_fp8_updates(loop: PipelineLoop, variables, part) -> dict:
         frozen, loop.mesh, stacked, shared, parts, 1, schedule="gpipe",
         stage_layers=loop.stage_layers)
   grads = loop.parts.merge(g_stacked, g_shared)
-  return apply_fp8_updates({FP8_COLLECTION: fp8},
-                           {FP8_COLLECTION: grads[FP8_COLLECTION]})[FP8_COLLECTION]
+  fp8 = apply_fp8_updates({FP8_COLLECTION: fp8},
+                          {FP8_COLLECTION: grads[FP8_COLLECTION]})[FP8_COLLECTION]
+  return fp8, grads.get(PERTURBATIONS, {})
 
 
 def pipeline_step_fn(pipeline: PipelineLoop, tx, microbatches: int, reduce_gradients,

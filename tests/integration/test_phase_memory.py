@@ -40,11 +40,9 @@ def phase_memory(trainer) -> dict[str, int]:
   e, p = trainer._eval, trainer._probe
   out["evaluation"] = _own(e.jitted.lower(state.params, state.fp8, *e.place(batch)).compile(),
                            (state.params, state.fp8))
-  for name, probe in (("FP8 probe", p), ("calibration pass", trainer._calibrate)):
-    if probe is not None and (name == "FP8 probe" or probe is not p):
-      out[name] = _own(probe.jitted.lower(state.params, state.fp8,
-                                          probe.place(batch)).compile(),
-                       (state.params, state.fp8))
+  assert trainer._calibrate is p  # one program: cast health and calibration
+  out["FP8 probe"] = _own(p.jitted.lower(state.params, state.fp8, p.place(batch)).compile(),
+                          (state.params, state.fp8))
   n = batch.shape[0] // t.microbatch_size
   trainer._bf16_loss(state.params, trainer._put_eval(batch))
   bf16 = trainer._bf16_loss._jitted[n]
@@ -56,11 +54,9 @@ def phase_memory(trainer) -> dict[str, int]:
 @pytest.mark.parametrize("zero, stages", [(0, 1), (3, 1), (3, 2)])
 def test_no_phase_needs_more_memory_than_the_train_step(tmp_path, zero, stages):
   # eval_batches 32 x 8 sequences: 16x the step's batch of 2 microbatches (of 8: one per device)
-  # Pipeline stages: the calibration pass runs through them; the cast-health probe (off
-  # here) applies the model whole.
+  # Pipeline stages: the probe (cast health and calibration) runs through them.
   sets = ["train.opt_level=O2", "fp8.calibrate=always", "train.batch_size=16",
-          "train.microbatches=2", "train.eval_batches=32",
-          f"train.fp8_health_every={int(stages == 1)}",
+          "train.microbatches=2", "train.eval_batches=32", "train.fp8_health_every=1",
           "model.n_layers=2", "model.d_model=64", "model.d_ff=256", "data.seq_len=64",
           "model.max_seq_len=64", "checkpoint.checkpoint_every_n_steps=0",
           f"parallel.zero_stage={zero}", f"parallel.pipeline_parallel_size={stages}",

@@ -17,14 +17,15 @@ from numerics import fresh_seed, rel_error
 
 from fp8jax import parallel
 from fp8jax.config import config_from_dict
-from fp8jax.linen import FP8_COLLECTION
+from fp8jax.linen import FP8_COLLECTION, PERTURBATIONS
 from fp8jax.models.gpt import GPT, ModelConfig
 from fp8jax.parallel import pipeline, zero
 from fp8jax.recipe import opt_level
 from fp8jax.train.calibration import any_unobserved
 from fp8jax.train.evaluation import fp8_updates
 from fp8jax.train.loss import batch_loss
-from fp8jax.train.pipeline_loop import pipeline_fp8_updates
+from fp8jax.train import health
+from fp8jax.train.pipeline_loop import pipeline_probe
 from fp8jax.train.state import TrainState
 from fp8jax.train.step import GroupLoop, PipelineLoop, build_step, make_train_step, \
     eval_loss_fn, pipeline_microbatches, scan_microbatches
@@ -232,10 +233,38 @@ def test_pipeline_calibration_pass_is_one_devices(data, stages, data_size, stage
   mesh = parallel.make_mesh(data=data_size, pipe=stages)
   loop = PipelineLoop(mesh, model.parts(), stage_layers=stage_layers)
   placed = jax.device_put(variables, zero.replicated(variables, mesh))
-  got = jax.jit(lambda v, b: pipeline_fp8_updates(loop, v, b))(placed, part)
+  got = jax.jit(lambda v, b: pipeline_probe(loop, v, b)[0])(placed, part)
   assert any_unobserved(variables[FP8_COLLECTION]) and not any_unobserved(got)
   assert jax.tree.structure(got) == jax.tree.structure(want)
   assert rel_error(_flat(got), _flat(want)) < 1e-6, rel_error(_flat(got), _flat(want))
+
+
+def test_pipeline_health_probe_is_the_whole_models(data):
+  """The cast-health probe through the stages (its taps in the stacked and shared variables,
+  uneven stages) reads the whole model's probe: each saturated / flushed fraction to f32
+  rounding, the FP8 state too. The FP8 state is calibrated on the weights, then the weights
+  are scaled 8x: the stale scales saturate casts (and flush others)."""
+  seed, batch, _ = data
+  model, variables = _variables("O1", "float32", seed)
+  part = batch[:MB]
+  whole = jax.jit(lambda v, b: health.probe(model, v, b))
+  calibrated = whole(variables, part)[1]
+  variables = {"params": jax.tree.map(lambda w: 8 * w, variables["params"]),
+               FP8_COLLECTION: calibrated}
+  want, want_fp8 = whole(variables, part)
+  mesh = parallel.make_mesh(data=4, pipe=2)
+  loop = PipelineLoop(mesh, model.parts(), stage_layers=(3, 1))
+  placed = jax.device_put(variables, zero.replicated(variables, mesh))
+
+  def probe(v, b):
+    fp8, taps = pipeline_probe(loop, {**v, PERTURBATIONS: health.taps(model, v, b[:, :-1])}, b)
+    return health.health_from_taps(taps), fp8
+  got, got_fp8 = jax.jit(probe)(placed, part)
+  print({k: float(v) for k, v in got.items()})
+  assert set(got) == set(want) and float(want["fp8/kernel/saturated"]) > 0, want
+  for k in want:
+    assert abs(float(got[k]) - float(want[k])) < 1e-6, (k, got[k], want[k])
+  assert rel_error(_flat(got_fp8), _flat(want_fp8)) < 1e-6
 
 
 @pytest.fixture(scope="module")
