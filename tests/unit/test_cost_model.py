@@ -164,31 +164,47 @@ def test_memory_model_by_hand():
 
 
 def test_pipeline_and_tensor_memory_by_hand():
-  """Each stage holds its layers' share, tensor ranks their kernels' share; the lockstep
-  1F1B's first stage keeps 2 x `pipeline` - 1 microbatches' saved layer inputs, GPipe's all k."""
+  """Every stage (one program) holds its stored layers' share and the shared variables
+  (embedding, LM head) whole, tensor ranks their kernels' share; a stage keeps one input per
+  microbatch in flight (the lockstep 1F1B's ring of 2 x `pipeline` - 1, GPipe's all k) and
+  one backward slot's saved layer inputs. Uneven stages: the step terms cover the deepest
+  stage's layers, the state stays the stored L / P."""
   m = memory.model_shape(BIG_CONFIG)
   d, c, n_tok = 4096, 2, 2 * 2048
   a = ci.Assumptions()
   whole = sm.device_memory(m, "O2", 1, 2048, 2, 8, sm.Layout(data=2), a)
   piped = sm.device_memory(m, "O2", 1, 2048, 2, 8, sm.Layout(data=2, tensor=2, pipeline=4), a)
-  # the first stage (embedding, most in flight) or the last (LM head, logits): the larger
-  first_params = 8 * (m.layer_kernels / 2 + m.layer_others) + m.embedding
-  last_params = 8 * (m.layer_kernels / 2 + m.layer_others) + m.head_kernels
-  assert piped.state["master weights"] in (2 * first_params, 2 * last_params)
+  layer = m.layer_kernels / 2 + m.layer_others
+  held = 8 * layer + m.embedding + m.head_kernels
+  assert piped.state["master weights"] == 2 * held
   assert whole.state["master weights"] == 2 * m.params
-  saved = 8 * n_tok * d * c  # 8 layers' inputs per microbatch in flight
-  working = n_tok * (4 * d + (12 * d + 3 * 2 * 11008) / 2) * c
-  first = sm.activation_bytes(m, 2048, 2, "O2", tensor=2, layers=8, in_flight=7, logits=False)
-  assert first == 7 * saved + working
-  last = sm.activation_bytes(m, 2048, 2, "O2", tensor=2, layers=8, in_flight=1)
-  assert last == saved + working + n_tok * 256 * 8  # one microbatch, and the logits
-  assert piped.backward["activations"] in (first, last)
+  assert piped.backward["gradients"] == 4 * held == piped.backward["accumulator"]
+  kept = n_tok * d * c  # one stage input per microbatch in flight
+  one_slot = sm.activation_bytes(m, 2048, 2, "O2", tensor=2, layers=8, in_flight=1)
+  assert piped.backward["activations"] == 7 * kept + one_slot
   gpipe = sm.device_memory(m, "O2", 1, 2048, 2, 8, sm.Layout(2, 2, 4, "gpipe"), a)
-  assert gpipe.backward["activations"] == 8 * saved + working  # all 8 microbatches
+  assert gpipe.backward["activations"] == 8 * kept + one_slot  # all 8 microbatches
   # without a pipeline the schedule does not matter: one microbatch at a time
   assert sm.device_memory(m, "O2", 1, 2048, 2, 8, sm.Layout(2, 2, 1, "gpipe"), a) == \
       sm.device_memory(m, "O2", 1, 2048, 2, 8, sm.Layout(2, 2, 1), a)
   assert piped.peak < whole.peak / 4
+  # uneven stages (32 layers as 5 + 5 + 5 + 17): the state of the stored 8 layers, the step's
+  # accumulator, slot gradients, casts and saved activations over 17, plus the padded copy
+  uneven = sm.device_memory(m, "O2", 1, 2048, 2, 8, sm.Layout(2, 2, 4, "1f1b", (5, 5, 5, 17)),
+                            a)
+  assert uneven.state == piped.state and uneven.update == piped.update
+  wide = 17 * layer + m.embedding + m.head_kernels
+  assert uneven.backward["accumulator"] == 4 * wide
+  assert uneven.backward["slot gradients"] == 2 * wide
+  assert uneven.backward["padded layers"] == 2 * 17 * layer
+  assert uneven.backward["FP8 weight casts"] == 17 * m.layer_kernels / 2 + m.head_kernels
+  assert uneven.backward["activations"] == 7 * kept + sm.activation_bytes(
+      m, 2048, 2, "O2", tensor=2, layers=17, in_flight=1)
+  assert "padded layers" not in sm.device_memory(
+      m, "O2", 1, 2048, 2, 8, sm.Layout(2, 2, 4, "1f1b", (8, 8, 8, 8)), a).backward
+  for bad, match in (((5, 5, 22), "3 layer counts|4 layer counts"), ((5, 5, 5, 5), "sums to 20")):
+    with pytest.raises(ValueError, match=match):
+      sm.device_memory(m, "O2", 1, 2048, 2, 8, sm.Layout(2, 2, 4, "1f1b", bad), a)
 
 
 def test_o2_needs_less_memory_than_o0():
