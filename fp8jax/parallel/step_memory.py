@@ -23,7 +23,7 @@ SCHEDULES = ("1f1b", "gpipe")
 class Layout(NamedTuple):
   """How the GPUs training one model split it: `data` data-parallel ranks (the ZeRO shards)
   x `tensor` tensor-parallel ranks x `pipeline` stages; `schedule` of the pipeline
-  (:mod:`fp8jax.parallel.pipeline`): "1f1b" (lockstep: a stage holds at most 2 x `pipeline`
+  (:mod:`fp8jax.parallel.pipeline`): "1f1b" (lockstep: a stage keeps 2 x `pipeline`
   - 1 microbatches' inputs) or "gpipe" (all of them); `stage_layers`: None (the layers split
   evenly over the stages) or the layers each stage runs (``parallel.pipeline_layers``, one
   count >= 1 per stage summing to the model's layers)."""
