@@ -403,6 +403,9 @@ def cmd_simulate(args) -> int:
           "that level and sequence length only)")
   runs = []
   model = model_shape(config.model)
+  stages = args.pipeline or config.parallel.pipeline_parallel_size
+  if stages > 1:
+    cm.stage_kinds(cluster, stages)  # a bad stage count fails before any table
   for level in [x.strip().upper() for x in (args.levels or "O0,O1,O2,O3").split(",")
                 if x.strip()]:
     for stage in sorted({opt_level(level).zero_stage_for(z) for z in _stages(args.zero)}):
@@ -413,6 +416,18 @@ def cmd_simulate(args) -> int:
     print(f"fp8jax simulate: warning: {uneven}: no uniform split to compare with; use --batch "
           f"{cluster.gpus} or a multiple of it", file=sys.stderr)
   print(cm.format_table(runs))
+  if stages > 1:
+    schedule = args.schedule or config.parallel.pipeline_schedule
+    spec = config.parallel.pipeline_layers
+    given = None if isinstance(spec, str) or len(spec) != stages else tuple(spec)
+    piped = [cm.predict_pipeline(cluster, model, seq_len, batch, p.level, p.zero_stage, stages,
+                                 schedule, given, profiles=profiles.get((p.level, seq_len)))
+             for p in runs]
+    print(f"\npipeline of {stages} stages ({schedule}) over {cluster.describe()}: each stage "
+          f"{cluster.gpus // stages} consecutive GPUs (its data-parallel ranks); layers split "
+          "by stage speed (auto, as parallel.pipeline_layers: auto) and evenly; the slowest "
+          "stage sets each tick; GiB/GPU holds the deepest stage's layers during the step\n")
+    print(cm.format_pipeline_table(piped))
   return 0
 
 
@@ -539,6 +554,13 @@ def _add_simulate(sub) -> argparse.ArgumentParser:
   sim.add_argument("--gpus-per-node", type=int, default=8, help="default 8")
   sim.add_argument("--inter-node-gbps", type=float, default=400.0,
                    help="inter-node bandwidth per GPU, Gb/s (default 400)")
+  sim.add_argument("--pipeline", type=int, default=None,
+                   help="pipeline stages: also print the pipeline's step with its layers split "
+                        "by stage speed vs evenly (default: the config's "
+                        "parallel.pipeline_parallel_size; 1: none)")
+  sim.add_argument("--schedule", default=None, choices=("1f1b", "gpipe"),
+                   help="--pipeline's schedule (default: the config's "
+                        "parallel.pipeline_schedule)")
   sim.add_argument("--profile", action="append", default=[], metavar="KIND=PATH",
                    help="measured profile JSON (`fp8jax profile`) for one kind (repeatable)")
   sim.set_defaults(func=cmd_simulate)

@@ -29,6 +29,7 @@ from fp8jax.parallel import profile as profile_lib
 from fp8jax.parallel.balance import KindProfile, balance_counts, makespan, uniform_counts
 from fp8jax.parallel.cost_inputs import Assumptions, ModelShape, _check_level, _check_stage, \
     _level, gather_bytes, grad_comm_bytes, master_bytes, optimizer_bytes_per_param
+from fp8jax.parallel.pipeline import bubble_fraction, check_stage_layers, split_layers
 from fp8jax.parallel.step_memory import Layout, device_memory, usable_bytes
 
 PROFILE_FORMAT = profile_lib.FORMAT
@@ -343,6 +344,224 @@ def predict(cluster: ClusterSpec, model: ModelShape, seq_len: int, global_batch:
   emulated = tuple(k for k in ctx["kinds"] if _level(level).fp8_gemms and not fp8_native(k))
   return Prediction(cluster.describe(), ctx["kind_list"], level, stage, seq_len, global_batch,
                     kernels + others, emulated, uniform, balanced, speedup, a)
+
+
+# ----------------------------------------------------------------------------- pipeline
+
+class PipelineSplit(NamedTuple):
+  """One way to split the layers over the pipeline stages of a mixed cluster. Seconds per
+  step; bytes per GPU."""
+
+  layers: str                        # "auto" (by stage speed), "even" or "given"
+  feasible: bool
+  reason: str                        # why not feasible ("" when it is)
+  stage_layers: tuple[int, ...]      # layers each stage runs
+  stage_kinds: tuple[str, ...]       # each stage's slowest kind (sets its per-layer time)
+  microbatch: int | None             # sequences per microbatch
+  microbatches: int | None           # per pipeline replica and step (k)
+  stage_seconds: tuple[float, ...]   # one microbatch through each stage, forward + backward
+  memory: dict                       # {kind: peak bytes per GPU}
+  compute_s: float | None            # k x the slowest stage's microbatch
+  bubble_s: float | None
+  comm_s: float | None               # pipeline sends + data-parallel collectives, before overlap
+  optimizer_s: float | None
+  step_s: float | None
+  tokens_per_s: float | None
+  mfu: float | None                  # model FLOPs / sum of BF16 peaks
+
+
+class PipelinePrediction(NamedTuple):
+  """A pipeline of `stages` stages over a mixed cluster: its layers split by stage speed
+  (`auto`) and evenly (`even`), and `given` (a configured split) when there is one."""
+
+  cluster: str
+  level: str
+  zero_stage: int
+  stages: int
+  schedule: str
+  seq_len: int
+  global_batch: int
+  auto: PipelineSplit
+  even: PipelineSplit
+  given: PipelineSplit | None
+  speedup: float | None              # even step / auto step
+  assumptions: Assumptions
+
+
+def stage_kinds(cluster: ClusterSpec, stages: int) -> list[tuple[str, ...]]:
+  """The kinds of each pipeline stage's GPUs: the cluster's GPUs in mesh order cut into
+  `stages` consecutive blocks of ``gpus / stages`` (the data-parallel ranks of a stage)."""
+  if isinstance(stages, bool) or not isinstance(stages, int) or stages < 2 or \
+      cluster.gpus % stages:
+    raise ValueError(f"pipeline stages={stages!r} is not allowed on {cluster.gpus} GPUs; use "
+                     f"an integer >= 2 that divides {cluster.gpus}")
+  kinds, d = cluster.kinds(), cluster.gpus // stages
+  return [tuple(dict.fromkeys(kinds[s * d:(s + 1) * d])) for s in range(stages)]
+
+
+def pipeline_step_seconds(stage_layers: Sequence[int], layer_seconds: Sequence[float],
+                          microbatches: int, schedule: str) -> tuple[float, float]:
+  """(compute, bubble) seconds of a step of `microbatches` (k) microbatches through stages
+  running `stage_layers` layers at `layer_seconds` (forward + backward of one microbatch
+  through one layer) each. The schedule's ticks run in lockstep (each ends with a send
+  between stages), so every tick lasts the slowest stage's microbatch, t = max_s L_s x
+  layer_seconds[s]: compute k t, bubble the schedule's fill, (P - 1) t with GPipe and
+  2 (P - 1) t with the lockstep 1F1B (:func:`fp8jax.parallel.pipeline.bubble_fraction`)."""
+  pace = max(n * x for n, x in zip(stage_layers, layer_seconds))
+  idle = bubble_fraction(len(stage_layers), microbatches, schedule)
+  compute = microbatches * pace
+  return compute, compute * idle / (1 - idle)
+
+
+def _pipeline_split(ctx: dict, m: int, layers: str, given) -> PipelineSplit:
+  """The pipeline step for microbatch size `m` with the layers split as `layers` says."""
+  model, a, cluster, p = ctx["model"], ctx["a"], ctx["cluster"], ctx["stages"]
+  kinds = ctx["stage_kinds"]
+  d = cluster.gpus // p
+  k = ctx["batch"] // (d * m)
+  seconds = {kk: _kind_seconds(model, ctx["seq_len"], m, ctx["level"], kk, a, ctx["profiles"])
+             for kk in ctx["kinds"]}
+  unmeasured = [kk for kk in ctx["kinds"] if seconds[kk] is None]
+  slowest = tuple(max(ks, key=lambda kk: (seconds[kk] or math.inf, kk)) for ks in kinds)
+  per_layer = [seconds[kk] / model.n_layers if seconds[kk] else 1.0 for kk in slowest]
+  even = split_layers(model.n_layers, [1.0] * p)
+  split = {"auto": lambda: split_layers(model.n_layers, per_layer), "even": lambda: even,
+           "given": lambda: given}[layers]()
+  layout = Layout(data=d, pipeline=p, schedule=ctx["schedule"],
+                  stage_layers=None if split == even else split)
+  empty = PipelineSplit(layers, False, "", split, slowest, m, k, (), {}, None, None, None,
+                        None, None, None, None)
+  if k < p:
+    return empty._replace(reason=f"{k} microbatches of {m} per replica do not fill {p} stages")
+  usage = {kk: device_memory(model, ctx["level"], ctx["stage"], ctx["seq_len"], m, k, layout, a,
+                             kk in ctx["emulated"]) for kk in ctx["kinds"]}
+  memory = {kk: u.peak for kk, u in usage.items()}
+  too_big = [kk for kk in ctx["kinds"] if memory[kk] > usable_bytes(kk, a)]
+  if too_big:
+    need = ", ".join(f"{kk} {memory[kk] / GiB:.0f} > {usable_bytes(kk, a) / GiB:.0f} GiB"
+                     for kk in too_big)
+    return empty._replace(reason=f"microbatch {m} does not fit: {need}", memory=memory)
+  if unmeasured:
+    return empty._replace(reason=f"profiles of {unmeasured} do not admit microbatch {m}",
+                          memory=memory)
+  stage_s = tuple(n * x for n, x in zip(split, per_layer))
+  compute, bubble = pipeline_step_seconds(split, per_layer, k, ctx["schedule"])
+  activation = m * ctx["seq_len"] * model.d_model * model.compute_bytes
+  bw = link_bandwidth(cluster)
+  pipe_comm = k * 2 * activation / (bw * a.comm_efficiency)
+  stored = -(-model.n_layers // p)  # a stage's stored layers and the shared variables
+  kernels = stored * model.layer_kernels + model.head_kernels
+  others = stored * model.layer_others + model.embedding
+  payload = comm_bytes(ctx["level"], ctx["stage"], kernels, others, k, False,
+                       compute_bytes=model.compute_bytes)
+  data_bw = min(gpu_spec(kk).nvlink_bw for kk in ctx["kinds"]) if d <= cluster.gpus_per_node \
+      else cluster.inter_node_bw
+  data_comm = sum(ring_seconds(b, d, data_bw, a) for b in payload.values())
+  eff = a.fp8_optimizer_hbm_efficiency if _level(ctx["level"]).scaled_master else \
+      a.hbm_efficiency
+  hbm = min(gpu_spec(kk).hbm_bw for kk in ctx["kinds"])
+  optimizer = optimizer_bytes_per_param(ctx["level"]) * (kernels + others) / (
+      d if ctx["stage"] >= 1 else 1) / (hbm * eff)
+  comm = pipe_comm + data_comm
+  step = compute + bubble + (1 - a.overlap) * comm + optimizer
+  tokens = ctx["batch"] * ctx["seq_len"] / step
+  mfu = ctx["flops_per_token"] * tokens / sum(gpu_spec(kk).bf16_flops for kk in cluster.kinds())
+  return PipelineSplit(layers, True, "", split, slowest, m, k, stage_s, memory, compute, bubble,
+                       comm, optimizer, step, tokens, mfu)
+
+
+def _best_pipeline(ctx: dict, sizes: Sequence[int], layers: str, given=None) -> PipelineSplit:
+  """The largest feasible microbatch whose step is within the tolerance of the fastest."""
+  splits = [_pipeline_split(ctx, m, layers, given) for m in sizes]
+  ok = [s for s in splits if s.feasible]
+  if not ok:
+    return splits[-1]
+  fastest = min(s.step_s for s in ok)
+  return max((s for s in ok if s.step_s <= fastest * (1 + ctx["a"].microbatch_tolerance)),
+             key=lambda s: s.microbatch)
+
+
+def predict_pipeline(cluster: ClusterSpec, model: ModelShape, seq_len: int, global_batch: int,
+                     level: str, zero_stage: int, stages: int, schedule: str = "1f1b",
+                     stage_layers: Sequence[int] | None = None,
+                     assumptions: Assumptions = Assumptions(),
+                     profiles: Mapping[str, KindProfile] | None = None,
+                     microbatch: int | None = None) -> PipelinePrediction:
+  """Predicted step of `cluster` as `stages` pipeline stages (its GPUs in mesh order cut into
+  consecutive blocks, :func:`stage_kinds`; each block's GPUs the data-parallel ranks of that
+  stage, ZeRO `zero_stage` over them) training `model`, its layers split by stage speed
+  ("auto": :func:`fp8jax.parallel.pipeline.split_layers` of each stage's slowest kind's
+  seconds per layer, as ``parallel.pipeline_layers: auto`` splits them), evenly, and as
+  `stage_layers` when given.
+
+  Step = k x t + bubble + (1 - overlap) x (pipeline sends + data-parallel collectives) +
+  update, k the microbatches per replica (global batch / (ranks per stage x microbatch)),
+  t the slowest stage's microbatch (:func:`pipeline_step_seconds`; a kind's seconds per layer
+  are its microbatch's (:func:`microbatch_seconds` or a profile's) / the model's layers).
+  Pipeline sends: one activation forward and one gradient back per microbatch over
+  :func:`link_bandwidth`; data collectives (:func:`comm_bytes`) of a stage's stored layers and
+  the shared variables over its ranks (NVLink when they fit a node); the update over the
+  same parameters on the slowest HBM. Memory per kind:
+  :func:`fp8jax.parallel.step_memory.device_memory` with the split (every stage holds the
+  deepest stage's layers during the step). Microbatch: as :func:`predict` chooses it, among
+  the sizes that give every stage a microbatch (k >= stages). Args otherwise as
+  :func:`predict`; `schedule` "1f1b" or "gpipe"."""
+  level = _check_level(level)
+  stage = _check_stage(level, zero_stage)
+  a = assumptions.check()
+  for name, value in (("seq_len", seq_len), ("global_batch", global_batch)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name}={value!r} is not allowed; use an integer >= 1")
+  kinds = stage_kinds(cluster, stages)
+  if model.n_layers < stages:
+    raise ValueError(f"{model.n_layers} layers do not fill {stages} pipeline stages; use at "
+                     "most one stage per layer")
+  Layout(pipeline=stages, schedule=schedule).check()
+  if stage_layers is not None:
+    stage_layers = check_stage_layers(tuple(stage_layers), stages, model.n_layers)
+  d = cluster.gpus // stages
+  if global_batch % d:
+    raise ValueError(f"global batch {global_batch} does not split over the {d} pipeline "
+                     f"replicas; use a multiple of {d}")
+  profiles = {gpu_spec(kk).name: pr for kk, pr in (profiles or {}).items()}
+  ctx = dict(model=model, a=a, cluster=cluster, stages=stages, stage_kinds=kinds,
+             kinds=[kk for kk, _ in cluster.groups], level=level, stage=stage, seq_len=seq_len,
+             batch=global_batch, profiles=profiles, schedule=schedule,
+             flops_per_token=model.flops_per_token(seq_len),
+             emulated={kk for kk, _ in cluster.groups
+                       if _level(level).fp8_gemms and not fp8_native(kk)})
+  sizes = _candidates(global_batch // d, microbatch)
+  auto = _best_pipeline(ctx, sizes, "auto")
+  even = _best_pipeline(ctx, sizes, "even")
+  given = None if stage_layers is None else _best_pipeline(ctx, sizes, "given", stage_layers)
+  speedup = even.step_s / auto.step_s if auto.feasible and even.feasible else None
+  return PipelinePrediction(cluster.describe(), level, stage, stages, schedule, seq_len,
+                            global_batch, auto, even, given, speedup, a)
+
+
+def format_pipeline_table(predictions: Sequence[PipelinePrediction]) -> str:
+  """Markdown table of pipeline predictions: per level and ZeRO stage the split by stage
+  speed (with its speed-up over the even split), the even split and a given one."""
+  lines = ["| level | ZeRO | stages | split | layers/stage | stage kinds | mb x k | "
+           "stage s/microbatch | compute s | bubble s | comm s | optim s | step s | tokens/s "
+           "| MFU (BF16 peak) | GiB/GPU | speedup vs even |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for p in predictions:
+    for s in (p.auto, p.even) + ((p.given,) if p.given is not None else ()):
+      head = (f"| {p.level} | {p.zero_stage} | {p.stages} ({p.schedule}) | {s.layers} | "
+              f"{'+'.join(map(str, s.stage_layers))} | {'/'.join(s.stage_kinds)} ")
+      if not s.feasible:
+        lines.append(head + "| - | - | - | - | - | - | - | - | - | - | infeasible: "
+                     f"{s.reason} |")
+        continue
+      speed = f"{p.speedup:.2f}x" if s is p.auto and p.speedup else (
+          f"{p.even.step_s / s.step_s:.2f}x" if s is p.given and p.even.feasible else "")
+      lines.append(head + f"| {s.microbatch} x {s.microbatches} | "
+                   f"{'/'.join(f'{x:.3f}' for x in s.stage_seconds)} | {s.compute_s:.2f} | "
+                   f"{s.bubble_s:.2f} | {s.comm_s:.2f} | {s.optimizer_s:.3f} | {s.step_s:.2f} | "
+                   f"{s.tokens_per_s:,.0f} | {s.mfu:.3f} | "
+                   f"{_per_kind(s.memory, lambda b: f'{b / GiB:.0f}')} | {speed} |")
+  return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- profiles

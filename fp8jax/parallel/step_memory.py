@@ -23,13 +23,16 @@ SCHEDULES = ("1f1b", "gpipe")
 class Layout(NamedTuple):
   """How the GPUs training one model split it: `data` data-parallel ranks (the ZeRO shards)
   x `tensor` tensor-parallel ranks x `pipeline` stages; `schedule` of the pipeline
-  (:mod:`fp8jax.parallel.pipeline`): "1f1b" (lockstep: a stage holds at most 2 x `pipeline`
-  - 1 microbatches' inputs) or "gpipe" (all of them)."""
+  (:mod:`fp8jax.parallel.pipeline`): "1f1b" (lockstep: a stage keeps 2 x `pipeline`
+  - 1 microbatches' inputs) or "gpipe" (all of them); `stage_layers`: None (the layers split
+  evenly over the stages) or the layers each stage runs (``parallel.pipeline_layers``, one
+  count >= 1 per stage summing to the model's layers)."""
 
   data: int = 1
   tensor: int = 1
   pipeline: int = 1
   schedule: str = "1f1b"
+  stage_layers: tuple[int, ...] | None = None
 
   @property
   def gpus(self) -> int:
@@ -44,7 +47,24 @@ class Layout(NamedTuple):
     if self.schedule not in SCHEDULES:
       raise ValueError(f"Layout.schedule={self.schedule!r} is not allowed; use one of "
                        f"{list(SCHEDULES)}")
-    return self
+    split = self.stage_layers
+    if split is not None and not (
+        isinstance(split, (list, tuple)) and len(split) == self.pipeline
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in split)):
+      raise ValueError(f"Layout.stage_layers={split!r} is not allowed; use None or "
+                       f"{self.pipeline} layer counts >= 1, one per pipeline stage")
+    return self._replace(stage_layers=None if split is None else tuple(split))
+
+  def widest_stage(self, n_layers: int) -> int:
+    """Layers of the deepest stage's slice during the step: max(L_s) with
+    :attr:`stage_layers` (the step lays the stack out P x max(L_s)), else ceil(n_layers / P).
+    ValueError when :attr:`stage_layers` does not sum to `n_layers`."""
+    if self.stage_layers is None:
+      return -(-n_layers // self.pipeline)
+    if sum(self.stage_layers) != n_layers:
+      raise ValueError(f"Layout.stage_layers={list(self.stage_layers)} sums to "
+                       f"{sum(self.stage_layers)}, but the model has {n_layers} layers")
+    return max(self.stage_layers)
 
 
 def activation_bytes(model: ModelShape, seq_len: int, microbatch: int, level: str = "O0",
@@ -125,9 +145,9 @@ def device_memory(model: ModelShape, level: str, stage: int, seq_len: int, micro
   `seq_len` tokens per step. The one memory model of a train step: ``fp8jax simulate``,
   :mod:`fp8jax.parallel.sizing` and ``fp8jax.train.memory`` (the "auto" remat policy) read it.
 
-  Per GPU: the layers of one pipeline stage (``ceil(n_layers / pipeline)``; the first
-  stage also holds the embedding and the most in-flight microbatches, the last the LM head
-  and the logits; the larger of the two is returned), their kernels split over ``tensor``.
+  Without pipeline stages, per GPU: the whole model, its kernels split over ``tensor``.
+  With stages (``layout.pipeline`` > 1): :func:`_pipeline_memory` (every stage holds the
+  shared variables and the deepest stage's layers during the step).
   State: master weights (/N at stage 3), Adam moments (/N from stage 1), FP8 meta. Backward:
   f32 gradients (/N at stage 3: each layer's are reduce-scattered as its backward makes
   them), an f32 accumulator with several microbatches (/N from stage 2), the master decoded
@@ -159,10 +179,13 @@ def device_memory(model: ModelShape, level: str, stage: int, seq_len: int, micro
   level = _check_level(level)
   stage = _check_stage(level, stage)
   layout = layout.check()
+  if layout.pipeline > 1:
+    return _pipeline_memory(model, level, stage, seq_len, microbatch, microbatches, layout, a,
+                            emulated)
   lv = _level(level)
   per, c = state_bytes_per_param(level), model.compute_bytes
-  n, t, pp = layout.data, layout.tensor, layout.pipeline
-  layers = -(-model.n_layers // pp)
+  n, t = layout.data, layout.tensor
+  layers = model.n_layers
   layer_kernels, largest = model.layer_kernels / t, model.largest_kernel / t
   layer_major = local_grads and stage == 3
   slots = microbatches if slots is None else slots
@@ -171,50 +194,106 @@ def device_memory(model: ModelShape, level: str, stage: int, seq_len: int, micro
     fused_update = lv.fused_update and layout.gpus == 1 and stage == 0
   # the fused update reads one microbatch's BF16 kernel gradients as they come (uniform step)
   narrow = fused_update and microbatches == 1 and not local_grads
-  out = None
-  # in flight on the first stage: the lockstep 1F1B at most 2P - 1, GPipe every microbatch
-  in_flight = 1 if pp == 1 else microbatches if layout.schedule == "gpipe" else min(
-      microbatches, 2 * pp - 1)
-  for first, last in ((True, True),) if pp == 1 else ((True, False), (False, True)):
-    kernels = layers * layer_kernels + (model.head_kernels if last else 0)
-    others = layers * model.layer_others + (model.embedding if first else 0)
-    params = kernels + others
-    gemms = layers * (5 if model.gated_mlp else 4) + (1 if last else 0)
-    state = {"master weights": per["master"] * params / (n if stage == 3 else 1),
-             "Adam moments": (per["m"] + per["v"]) * params / (n if stage >= 1 else 1),
-             "FP8 meta": float(fp8_meta_bytes(level, gemms))}
-    grads = c * kernels + per["grads"] * others if narrow else per["grads"] * params
-    backward = {"gradients": grads / shard3}
-    if (microbatches > 1 or local_grads) and not layer_major:
-      backward["accumulator"] = per["grads"] * params / (
-          shard3 if local_grads else n if stage >= 2 else 1)
-    if lv.scaled_master:
-      decoded = per["grads"] if local_grads else a.fp8_working_copy_bytes  # f32 / BF16
-      backward["decoded weights"] = decoded * params / shard3
-    if lv.fp8_gemms and stage < 3:
-      backward["FP8 weight casts"] = 1.0 * kernels
-    if stage == 3:
-      backward["gathered weights"] = a.layers_in_flight * layer_kernels * wire_bytes(level, c)
-      backward["weight gradient in flight"] = per["grads"] * (
-          layer_kernels if local_grads else largest)
-    if emulated and lv.fp8_gemms:
-      backward["widened FP8 weight"] = a.emulated_weight_bytes * largest
-    if layer_major:  # layer boundaries of every slot, then one layer and head at a time
-      backward["activations"] = slots * (layers + 2) * microbatch * seq_len * model.d_model * c \
-          + activation_bytes(model, seq_len, microbatch, level, t, 0, 1, last)
-    else:
-      backward["activations"] = activation_bytes(
-          model, seq_len, microbatch, level, t, layers, in_flight if first else 1, last)
-    temp = a.update_temp_bytes if lv.scaled_master else a.update_temp_bytes_f32
-    update = {"gradients": grads / (n if stage >= 2 else 1),
-              "update temporaries": 0.0 if fused_update else temp * params / (
-                  n if stage >= 1 else 1)}
-    if stage <= 1 and n > 1:
-      update["all-reduce output"] = a.all_reduce_copy_bytes * params
-    mem = DeviceMemory(state, backward, update)
-    if out is None or mem.peak > out.peak:
-      out = mem
-  return out
+  kernels = layers * layer_kernels + model.head_kernels
+  others = layers * model.layer_others + model.embedding
+  params = kernels + others
+  gemms = layers * (5 if model.gated_mlp else 4) + 1
+  state = {"master weights": per["master"] * params / (n if stage == 3 else 1),
+           "Adam moments": (per["m"] + per["v"]) * params / (n if stage >= 1 else 1),
+           "FP8 meta": float(fp8_meta_bytes(level, gemms))}
+  grads = c * kernels + per["grads"] * others if narrow else per["grads"] * params
+  backward = {"gradients": grads / shard3}
+  if (microbatches > 1 or local_grads) and not layer_major:
+    backward["accumulator"] = per["grads"] * params / (
+        shard3 if local_grads else n if stage >= 2 else 1)
+  if lv.scaled_master:
+    decoded = per["grads"] if local_grads else a.fp8_working_copy_bytes  # f32 / BF16
+    backward["decoded weights"] = decoded * params / shard3
+  if lv.fp8_gemms and stage < 3:
+    backward["FP8 weight casts"] = 1.0 * kernels
+  if stage == 3:
+    backward["gathered weights"] = a.layers_in_flight * layer_kernels * wire_bytes(level, c)
+    backward["weight gradient in flight"] = per["grads"] * (
+        layer_kernels if local_grads else largest)
+  if emulated and lv.fp8_gemms:
+    backward["widened FP8 weight"] = a.emulated_weight_bytes * largest
+  if layer_major:  # layer boundaries of every slot, then one layer and head at a time
+    backward["activations"] = slots * (layers + 2) * microbatch * seq_len * model.d_model * c \
+        + activation_bytes(model, seq_len, microbatch, level, t, 0, 1, True)
+  else:
+    backward["activations"] = activation_bytes(
+        model, seq_len, microbatch, level, t, layers, 1, True)
+  temp = a.update_temp_bytes if lv.scaled_master else a.update_temp_bytes_f32
+  update = {"gradients": grads / (n if stage >= 2 else 1),
+            "update temporaries": 0.0 if fused_update else temp * params / (
+                n if stage >= 1 else 1)}
+  if stage <= 1 and n > 1:
+    update["all-reduce output"] = a.all_reduce_copy_bytes * params
+  return DeviceMemory(state, backward, update)
+
+
+def _pipeline_memory(model: ModelShape, level: str, stage: int, seq_len: int, microbatch: int,
+                     microbatches: int, layout: Layout, a: Assumptions,
+                     emulated: bool) -> DeviceMemory:
+  """:func:`device_memory` of a pipeline step (``layout.pipeline`` > 1; the pipeline loop of
+  ``fp8jax.train.pipeline_loop``, or pipeline replicas of the per-group step).
+
+  One program runs on every stage, so every device holds what the busiest stage needs: the
+  shared variables (embedding, final norm, LM head) whole on every stage, the stored layers
+  S = ceil(L / P) of its slice, and during the step the deepest stage's W =
+  :meth:`Layout.widest_stage` layers (the stack laid out P x max(L_s) when the stages are
+  uneven, ``fp8jax.parallel.pipeline.padded_layout``). State: master weights (/N at stage 3)
+  and Adam moments (/N from stage 1) of S layers and the shared variables. Backward: the f32
+  gradients in the stored order (S layers), the schedule's f32 accumulator and one slot's
+  gradients (in the weights' step dtype) over W layers, the master decoded to the compute dtype
+  (O2/O3, S layers) and, with uneven stages, its padded copy (W layers), below stage 3 the
+  FP8 casts of W layers' and the head's kernels (FP8 levels); at stage 3 the
+  gathered layers and one kernel's f32 gradient as in :func:`device_memory` (all step terms
+  /N at stage 3). Activations: the schedule keeps one input per microbatch in flight (GPipe:
+  k, the lockstep 1F1B's ring: 2P - 1), plus one backward slot's: W layers saved under remat
+  (:func:`activation_bytes`), one layer's working set and the logits. Update: as in
+  :func:`device_memory`, over the stored S layers and the shared variables."""
+  lv = _level(level)
+  per, c = state_bytes_per_param(level), model.compute_bytes
+  n, t, pp = layout.data, layout.tensor, layout.pipeline
+  stored, wide = -(-model.n_layers // pp), layout.widest_stage(model.n_layers)
+  shard3 = n if stage == 3 else 1
+  layer = model.layer_kernels / t + model.layer_others
+
+  def params(layers):
+    return layers * layer + model.head_kernels + model.embedding
+
+  held, padded = params(stored), params(wide)
+  gemms = stored * (5 if model.gated_mlp else 4) + 1
+  state = {"master weights": per["master"] * held / shard3,
+           "Adam moments": (per["m"] + per["v"]) * held / (n if stage >= 1 else 1),
+           "FP8 meta": float(fp8_meta_bytes(level, gemms))}
+  step_dtype = a.fp8_working_copy_bytes if lv.scaled_master else per["master"]
+  backward = {"gradients": per["grads"] * held / shard3,
+              "accumulator": per["grads"] * padded / shard3,
+              "slot gradients": step_dtype * padded / shard3}
+  if lv.scaled_master:
+    backward["decoded weights"] = a.fp8_working_copy_bytes * held / shard3
+  if layout.stage_layers is not None and len(set(layout.stage_layers)) > 1:
+    backward["padded layers"] = step_dtype * wide * layer / shard3
+  if lv.fp8_gemms and stage < 3:  # the weights' casts, made once: they do not change in a step
+    backward["FP8 weight casts"] = 1.0 * (wide * model.layer_kernels / t + model.head_kernels)
+  largest = model.largest_kernel / t
+  if stage == 3:
+    backward["gathered weights"] = a.layers_in_flight * model.layer_kernels / t * wire_bytes(
+        level, c)
+    backward["weight gradient in flight"] = per["grads"] * largest
+  if emulated and lv.fp8_gemms:
+    backward["widened FP8 weight"] = a.emulated_weight_bytes * largest
+  kept = microbatches if layout.schedule == "gpipe" else 2 * pp - 1
+  backward["activations"] = kept * microbatch * seq_len * model.d_model * c + activation_bytes(
+      model, seq_len, microbatch, level, t, wide, 1, True)
+  temp = a.update_temp_bytes if lv.scaled_master else a.update_temp_bytes_f32
+  update = {"gradients": per["grads"] * held / (n if stage >= 2 else 1),
+            "update temporaries": temp * held / (n if stage >= 1 else 1)}
+  if stage <= 1 and n > 1:
+    update["all-reduce output"] = a.all_reduce_copy_bytes * held
+  return DeviceMemory(state, backward, update)
 
 
 def usable_bytes(kind: str, a: Assumptions) -> float:

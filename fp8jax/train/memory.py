@@ -103,15 +103,28 @@ def _fused_update(config, devices: int) -> bool:
   return config.level().fused_update and devices == 1 and config.zero_stage() == 0
 
 
+def stage_layers(config) -> tuple[int, ...] | None:
+  """The layers each pipeline stage runs as far as the config alone tells: an explicit
+  ``parallel.pipeline_layers`` list; None (an even split) otherwise. (With "auto" and a
+  ``device_map`` the split also depends on the devices' kinds: ``fp8jax.train.build.
+  stage_layers`` reads it from the mesh; pass it to :func:`step_memory`.)"""
+  spec = config.parallel.pipeline_layers
+  if isinstance(spec, str) or config.parallel.pipeline_parallel_size == 1:
+    return None
+  return tuple(spec)
+
+
 def step_memory(config, remat_policy: str, attention_impl: str, devices: int = 1,
                 emulated: bool = False, assumptions: ci.Assumptions = ci.Assumptions(),
-                slots: int | None = None) -> sm.DeviceMemory:
+                slots: int | None = None,
+                pipeline_layers: tuple[int, ...] | None = None) -> sm.DeviceMemory:
   """Bytes on one device of `config`'s train step by term
   (:func:`fp8jax.parallel.step_memory.device_memory`), with remat policy `remat_policy` (not
   "auto") and `attention_impl` ("xla" or "cudnn"), on a run over `devices` devices;
   `emulated`: the devices run FP8 GEMMs emulated (no FP8 tensor cores); `assumptions`: the
   model's constants (the default's are H200 measurements); `slots`: microbatches of the
-  busiest rank (default :func:`busiest_count`)."""
+  busiest rank (default :func:`busiest_count`); `pipeline_layers`: the layers each pipeline
+  stage runs (default :func:`stage_layers`)."""
   if remat_policy not in REMAT_POLICIES:
     raise ValueError(f"remat_policy={remat_policy!r} is not allowed; use one of "
                      f"{list(REMAT_POLICIES)}")
@@ -121,8 +134,10 @@ def step_memory(config, remat_policy: str, attention_impl: str, devices: int = 1
   if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
     raise ValueError(f"devices={devices!r} is not allowed; use an integer >= 1")
   p, t = config.parallel, config.train
+  split = stage_layers(config) if pipeline_layers is None else tuple(pipeline_layers)
   layout = sm.Layout(data=data_ranks(config, devices), tensor=p.tensor_parallel_size,
-                     pipeline=p.pipeline_parallel_size)
+                     pipeline=p.pipeline_parallel_size, schedule=p.pipeline_schedule,
+                     stage_layers=split)
   shape = model_shape(config.model, remat_policy, attention_impl)
   local = p.device_map is not None or config.grad_comm() == "fp8"
   return sm.device_memory(shape, config.level().name, config.zero_stage(), config.data.seq_len,

@@ -8,6 +8,7 @@ from fp8jax import cli, hardware
 from fp8jax.models.gpt import ModelConfig, flops_per_token, matmul_param_count
 from fp8jax.parallel import cost_inputs as ci, cost_model as cm, step_memory as sm
 from fp8jax.parallel.balance import KindProfile
+from fp8jax.parallel.pipeline import split_layers as pipeline_split
 from fp8jax.train import memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -164,31 +165,47 @@ def test_memory_model_by_hand():
 
 
 def test_pipeline_and_tensor_memory_by_hand():
-  """Each stage holds its layers' share, tensor ranks their kernels' share; the lockstep
-  1F1B's first stage keeps 2 x `pipeline` - 1 microbatches' saved layer inputs, GPipe's all k."""
+  """Every stage (one program) holds its stored layers' share and the shared variables
+  (embedding, LM head) whole, tensor ranks their kernels' share; a stage keeps one input per
+  microbatch in flight (the lockstep 1F1B's ring of 2 x `pipeline` - 1, GPipe's all k) and
+  one backward slot's saved layer inputs. Uneven stages: the step terms cover the deepest
+  stage's layers, the state stays the stored L / P."""
   m = memory.model_shape(BIG_CONFIG)
   d, c, n_tok = 4096, 2, 2 * 2048
   a = ci.Assumptions()
   whole = sm.device_memory(m, "O2", 1, 2048, 2, 8, sm.Layout(data=2), a)
   piped = sm.device_memory(m, "O2", 1, 2048, 2, 8, sm.Layout(data=2, tensor=2, pipeline=4), a)
-  # the first stage (embedding, most in flight) or the last (LM head, logits): the larger
-  first_params = 8 * (m.layer_kernels / 2 + m.layer_others) + m.embedding
-  last_params = 8 * (m.layer_kernels / 2 + m.layer_others) + m.head_kernels
-  assert piped.state["master weights"] in (2 * first_params, 2 * last_params)
+  layer = m.layer_kernels / 2 + m.layer_others
+  held = 8 * layer + m.embedding + m.head_kernels
+  assert piped.state["master weights"] == 2 * held
   assert whole.state["master weights"] == 2 * m.params
-  saved = 8 * n_tok * d * c  # 8 layers' inputs per microbatch in flight
-  working = n_tok * (4 * d + (12 * d + 3 * 2 * 11008) / 2) * c
-  first = sm.activation_bytes(m, 2048, 2, "O2", tensor=2, layers=8, in_flight=7, logits=False)
-  assert first == 7 * saved + working
-  last = sm.activation_bytes(m, 2048, 2, "O2", tensor=2, layers=8, in_flight=1)
-  assert last == saved + working + n_tok * 256 * 8  # one microbatch, and the logits
-  assert piped.backward["activations"] in (first, last)
+  assert piped.backward["gradients"] == 4 * held == piped.backward["accumulator"]
+  kept = n_tok * d * c  # one stage input per microbatch in flight
+  one_slot = sm.activation_bytes(m, 2048, 2, "O2", tensor=2, layers=8, in_flight=1)
+  assert piped.backward["activations"] == 7 * kept + one_slot
   gpipe = sm.device_memory(m, "O2", 1, 2048, 2, 8, sm.Layout(2, 2, 4, "gpipe"), a)
-  assert gpipe.backward["activations"] == 8 * saved + working  # all 8 microbatches
+  assert gpipe.backward["activations"] == 8 * kept + one_slot  # all 8 microbatches
   # without a pipeline the schedule does not matter: one microbatch at a time
   assert sm.device_memory(m, "O2", 1, 2048, 2, 8, sm.Layout(2, 2, 1, "gpipe"), a) == \
       sm.device_memory(m, "O2", 1, 2048, 2, 8, sm.Layout(2, 2, 1), a)
   assert piped.peak < whole.peak / 4
+  # uneven stages (32 layers as 5 + 5 + 5 + 17): the state of the stored 8 layers, the step's
+  # accumulator, slot gradients, casts and saved activations over 17, plus the padded copy
+  uneven = sm.device_memory(m, "O2", 1, 2048, 2, 8, sm.Layout(2, 2, 4, "1f1b", (5, 5, 5, 17)),
+                            a)
+  assert uneven.state == piped.state and uneven.update == piped.update
+  wide = 17 * layer + m.embedding + m.head_kernels
+  assert uneven.backward["accumulator"] == 4 * wide
+  assert uneven.backward["slot gradients"] == 2 * wide
+  assert uneven.backward["padded layers"] == 2 * 17 * layer
+  assert uneven.backward["FP8 weight casts"] == 17 * m.layer_kernels / 2 + m.head_kernels
+  assert uneven.backward["activations"] == 7 * kept + sm.activation_bytes(
+      m, 2048, 2, "O2", tensor=2, layers=17, in_flight=1)
+  assert "padded layers" not in sm.device_memory(
+      m, "O2", 1, 2048, 2, 8, sm.Layout(2, 2, 4, "1f1b", (8, 8, 8, 8)), a).backward
+  for bad, match in (((5, 5, 22), "3 layer counts|4 layer counts"), ((5, 5, 5, 5), "sums to 20")):
+    with pytest.raises(ValueError, match=match):
+      sm.device_memory(m, "O2", 1, 2048, 2, 8, sm.Layout(2, 2, 4, "1f1b", bad), a)
 
 
 def test_o2_needs_less_memory_than_o0():
@@ -412,3 +429,58 @@ def test_cli_simulate_prints_the_table(capsys, tmp_path):
   assert "FP8 emulated on A100-80GB" in out and "used for that level" in out
   # at ZeRO-3 the balanced step runs layer-major (one layer gathered at a time): both fit
   assert all("infeasible" not in r for r in rows)
+
+
+def test_pipeline_time_is_set_by_the_slowest_stage():
+  """Every tick lasts the slowest stage's microbatch (L_s x its kind's seconds per layer):
+  compute k x max_s, bubble the schedule's fill x max_s; the split by stage speed
+  (split_layers) beats the even split on A100 + H100 stages, and the even split's step is
+  paced by the A100 stage."""
+  assert cm.pipeline_step_seconds((2, 6), (3.0, 1.0), 8, "gpipe") == pytest.approx((48.0, 6.0))
+  assert cm.pipeline_step_seconds((4, 4), (3.0, 1.0), 8, "1f1b") == pytest.approx((96.0, 24.0))
+  assert cm.pipeline_step_seconds((1, 1, 6), (1.0, 1.0, 0.5), 4, "gpipe") == pytest.approx(
+      (12.0, 6.0))
+  cluster = cm.parse_cluster("4xA100-80GB+4xH100-SXM")
+  a = ci.Assumptions()
+  p = cm.predict_pipeline(cluster, MID, 2048, 64, "O3", 3, 2, "gpipe", microbatch=2)
+  assert cm.stage_kinds(cluster, 2) == [("A100-80GB",), ("H100-SXM",)]
+  per_layer = [cm.microbatch_seconds(MID, 2048, 2, "O3", k, a) / 8
+               for k in ("A100-80GB", "H100-SXM")]
+  assert p.auto.stage_layers == pipeline_split(8, per_layer) and p.auto.stage_layers[0] < 4
+  assert p.even.stage_layers == (4, 4)
+  for s in (p.auto, p.even):
+    assert s.feasible and s.microbatches == 64 // (4 * 2)
+    pace = max(n * x for n, x in zip(s.stage_layers, per_layer))
+    assert s.stage_seconds == pytest.approx(tuple(n * x for n, x in zip(s.stage_layers,
+                                                                        per_layer)))
+    assert s.compute_s == pytest.approx(8 * pace) and s.bubble_s == pytest.approx(pace)
+    assert s.step_s == pytest.approx(s.compute_s + s.bubble_s + s.comm_s + s.optimizer_s)
+  assert p.even.compute_s == pytest.approx(8 * 4 * per_layer[0])  # the A100 stage sets it
+  assert p.speedup == pytest.approx(p.even.step_s / p.auto.step_s) and p.speedup > 1.3
+  # memory: the auto split's deepest stage during the step, the even split's L/P
+  wide = max(p.auto.stage_layers)
+  assert p.auto.memory["H100-SXM"] == sm.device_memory(
+      MID, "O3", 3, 2048, 2, 8, sm.Layout(4, 1, 2, "gpipe", p.auto.stage_layers), a).peak
+  assert wide > 4 and p.auto.memory["H100-SXM"] > p.even.memory["H100-SXM"]
+  # a homogeneous cluster splits evenly, at no speed-up
+  same = cm.predict_pipeline(cm.parse_cluster("8xH100-SXM"), MID, 2048, 64, "O3", 3, 2)
+  assert same.auto.stage_layers == (4, 4) and same.speedup == pytest.approx(1.0)
+  given = cm.predict_pipeline(cluster, MID, 2048, 64, "O3", 3, 2, stage_layers=(3, 5))
+  assert given.given.stage_layers == (3, 5) and given.given.feasible
+  with pytest.raises(ValueError, match="stages=3 is not allowed on 8 GPUs"):
+    cm.predict_pipeline(cluster, MID, 2048, 64, "O3", 3, 3)
+  with pytest.raises(ValueError, match="do not split 8 layers over 2 stages"):
+    cm.predict_pipeline(cluster, MID, 2048, 64, "O3", 3, 2, stage_layers=(3, 3))
+
+
+def test_cli_simulate_prints_pipeline_rows(capsys):
+  argv = ["simulate", "--cluster", "8xA100-80GB+8xH100-SXM", "--config", "configs/gpt_7b.yaml",
+          "--batch", "256", "--levels", "O3", "--zero", "3", "--pipeline", "2"]
+  assert cli.main(argv) == 0
+  out = capsys.readouterr().out
+  assert "pipeline of 2 stages (gpipe) over 8xA100-80GB+8xH100-SXM" in out
+  rows = [line for line in out.splitlines() if line.startswith("| O3 | 3 | 2 (gpipe)")]
+  assert len(rows) == 2 and "| auto | 7+25 |" in rows[0] and "| even | 16+16 |" in rows[1]
+  assert rows[0].rstrip(" |").endswith("x") and float(rows[0].split("|")[-2][:-2]) > 1.5
+  assert cli.main(argv[:-1] + ["3"]) == 2
+  assert "stages=3 is not allowed on 16 GPUs" in capsys.readouterr().err
