@@ -71,8 +71,9 @@ def _chained(module: nn.Module, fn, lhs, rhs, *rest, activation: str | None = No
   # Like nn.Module.perturb: the taps are created when the collection is mutable, else used
   # if given (a probe that cannot make HEALTH_COLLECTION mutable, e.g. through pipeline
   # stages, reads the forward casts' health from the "forward_health" tap's gradient).
-  tapping = (module.is_mutable_collection(PERTURBATIONS)
-             or module.has_variable(PERTURBATIONS, "output_grad_health"))
+  tapping = not module.is_initializing() and (
+      module.is_mutable_collection(PERTURBATIONS)
+      or module.has_variable(PERTURBATIONS, "output_grad_health"))
   calibrating = (module.is_mutable_collection(CALIBRATION_COLLECTION)
                  and not module.is_initializing())
   if probing or calibrating or tapping:
