@@ -263,7 +263,8 @@ def dense_mlp_reason(module: nn.Module, x, names: tuple[str, str] = ("fc_in", "f
   quantized math)."""
   if module.is_initializing():
     return "initializing (the Dense layers create their variables)"
-  if any(module.is_mutable_collection(c) for c in (HEALTH_COLLECTION, PERTURBATIONS)):
+  if (any(module.is_mutable_collection(c) for c in (HEALTH_COLLECTION, PERTURBATIONS))
+      or PERTURBATIONS in module.variables):  # (a probe's taps given as variables)
     return "the FP8 health probe watches each Dense layer"
   if module.is_mutable_collection(CALIBRATION_COLLECTION):
     return "calibration reads each Dense layer's operands"

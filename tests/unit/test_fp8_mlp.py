@@ -267,6 +267,8 @@ def test_dense_mlp_reason_and_refusal(key):
   assert "not a bias-free nn.Dense" in reason(bias=True)
   assert "no Fp8DotGeneral_0 FP8 state" in reason(gemm="bf16")
   assert "health probe" in probe.apply(variables, x, mutable=[fp8_linen.HEALTH_COLLECTION])[0]
+  taps = {fp8_linen.PERTURBATIONS: {"fc_in": {"output_grad_health": jnp.zeros(2)}}}
+  assert "health probe" in probe.apply({**variables, **taps}, x)  # a probe's taps given
   seen = []
   mesh = jax.make_mesh((jax.device_count(),), ("data",),
                        axis_types=(jax.sharding.AxisType.Auto,))
