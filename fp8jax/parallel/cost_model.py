@@ -302,6 +302,13 @@ def _best(ctx: dict, sizes: Sequence[int], balanced: bool) -> Split:
   return max(near, key=lambda s: s.microbatch)
 
 
+def _check_positive(**values) -> None:
+  """ValueError naming the first of `values` that is not an integer >= 1."""
+  for name, value in values.items():
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name}={value!r} is not allowed; use an integer >= 1")
+
+
 def predict(cluster: ClusterSpec, model: ModelShape, seq_len: int, global_batch: int,
             level: str, zero_stage: int, assumptions: Assumptions = Assumptions(),
             profiles: Mapping[str, KindProfile] | None = None,
@@ -324,9 +331,7 @@ def predict(cluster: ClusterSpec, model: ModelShape, seq_len: int, global_batch:
   level = _check_level(level)
   stage = _check_stage(level, zero_stage)
   a = assumptions.check()
-  for name, value in (("seq_len", seq_len), ("global_batch", global_batch)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise ValueError(f"{name}={value!r} is not allowed; use an integer >= 1")
+  _check_positive(seq_len=seq_len, global_batch=global_batch)
   kernels, others = model.kernel_params, model.other_params
   profiles = {gpu_spec(k).name: p for k, p in (profiles or {}).items()}
   ctx = dict(model=model, a=a, cluster=cluster, kind_list=cluster.kinds(),
@@ -509,9 +514,7 @@ def predict_pipeline(cluster: ClusterSpec, model: ModelShape, seq_len: int, glob
   level = _check_level(level)
   stage = _check_stage(level, zero_stage)
   a = assumptions.check()
-  for name, value in (("seq_len", seq_len), ("global_batch", global_batch)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-      raise ValueError(f"{name}={value!r} is not allowed; use an integer >= 1")
+  _check_positive(seq_len=seq_len, global_batch=global_batch)
   kinds = stage_kinds(cluster, stages)
   if model.n_layers < stages:
     raise ValueError(f"{model.n_layers} layers do not fill {stages} pipeline stages; use at "

@@ -194,15 +194,29 @@ def _all_to_alls(text: str) -> list[tuple[str, int]]:
   return out
 
 
-def _layer_major_gathers(program, cfg) -> list[tuple[str, tuple[int, ...]]]:
-  """The kernel-sized all-gathers inside the layer loops of `program` (asserting none
-  gathers a whole stacked kernel or more than one layer's largest kernel)."""
+def _layer_gathers(program, cfg, trips: int | None = None) -> list[tuple[str, tuple[int, ...]]]:
+  """The kernel-sized all-gathers inside the layer loops (`trips` iterations; default
+  ``cfg.n_layers``) of `program` (asserting none gathers a whole stacked kernel or more than
+  one layer's largest kernel)."""
   loops = gathers_by_loop(program.as_text())
   d, f = cfg.d_model, cfg.d_ff
   sizes = {d * 3 * d, d * d, d * f}
   everywhere = [g for gathers in loops.values() for g in gathers]
   assert max(int(np.prod(s)) for _, s in everywhere) <= d * f, loops
-  return [(t, s) for t, s in loops.get(cfg.n_layers, ()) if int(np.prod(s)) in sizes]
+  return [(t, s) for t, s in loops.get(trips or cfg.n_layers, ()) if int(np.prod(s)) in sizes]
+
+
+def _check_two_layers_in_flight(o3_programs, name: str) -> None:
+  """Program `name`'s per-device peak <= 1/8 of one device's plus two layers in flight, each:
+  the gathered E4M3 kernels (1 byte per parameter), the f32 copy the emulated CPU GEMM
+  multiplies (4) and the layer's f32 gradient before its reduce-scatter (4)."""
+  cfg = o3_programs["config"]
+  d, f = cfg.d_model, cfg.d_ff
+  one, peak = _peak(o3_programs[1]), _peak(o3_programs[name])
+  layer = 3 * d * d + d * d + 2 * d * f
+  print(f"peak per device, {name}: {peak / 2**20:.1f} MiB ({peak / one:.3f} of one device's "
+        f"{one / 2**20:.1f} MiB)")
+  assert peak <= one / 8 + 2 * layer * 9 + 2**20, (one, peak)
 
 
 def test_o3_fp8_grad_comm_reduces_each_layer_in_fp8_inside_the_loop(o3_programs):
@@ -214,7 +228,7 @@ def test_o3_fp8_grad_comm_reduces_each_layer_in_fp8_inside_the_loop(o3_programs)
   cfg = o3_programs["config"]
   hlo = o3_programs["fp8"].as_text()
   d, f = cfg.d_model, cfg.d_ff
-  in_layers = _layer_major_gathers(o3_programs["fp8"], cfg)
+  in_layers = _layer_gathers(o3_programs["fp8"], cfg)
   assert {t for t, _ in in_layers} == {"u8"}, in_layers
   assert len(in_layers) == 2 * 4, in_layers  # 4 kernels, forward and backward
   moved = _all_to_alls(hlo)
@@ -223,14 +237,7 @@ def test_o3_fp8_grad_comm_reduces_each_layer_in_fp8_inside_the_loop(o3_programs)
   float_reduce = re.findall(r"= f32\[([\d,]*)\][^ ]* (?:reduce-scatter|all-reduce)\(", hlo)
   big = [s for s in float_reduce if int(np.prod([int(x) for x in s.split(",") if x])) >= d * d]
   assert not big, big
-  one, fp8 = _peak(o3_programs[1]), _peak(o3_programs["fp8"])
-  layer = 3 * d * d + d * d + 2 * d * f
-  print(f"peak per device with FP8 grad comm at 8 devices: {fp8 / 2**20:.1f} MiB "
-        f"(1 device: {one / 2**20:.1f} MiB)")
-  # Two layers in flight, each: the gathered E4M3 kernels (1 byte per parameter), the f32
-  # copy the emulated CPU GEMM multiplies (4) and the layer's f32 gradient before its
-  # reduce-scatter (4).
-  assert fp8 <= one / 8 + 2 * layer * 9 + 2**20, (one, fp8)
+  _check_two_layers_in_flight(o3_programs, "fp8")
 
 
 def test_o3_balanced_counts_gather_per_layer_not_the_whole_model(o3_programs):
@@ -239,7 +246,7 @@ def test_o3_balanced_counts_gather_per_layer_not_the_whole_model(o3_programs):
   whole stacked kernel is gathered, and the per-device bytes stay <= 0.30 of the one-device
   step's (gathering the whole model in f32 before the loop: 0.84)."""
   cfg = o3_programs["config"]
-  in_layers = _layer_major_gathers(o3_programs["balanced"], cfg)
+  in_layers = _layer_gathers(o3_programs["balanced"], cfg)
   assert {t for t, _ in in_layers} == {"u8"}, in_layers
   assert len(in_layers) == 2 * 4, in_layers
   one, balanced = _peak(o3_programs[1]), _peak(o3_programs["balanced"])
@@ -253,19 +260,11 @@ def test_o3_zero3_inside_a_pipeline_gathers_e4m3_bytes_per_layer(o3_programs):
   layer at a time inside its layer loop (4 trips: the stage's layers), in its forward and
   backward slots; no whole stacked kernel is gathered."""
   cfg = o3_programs["config"]
-  loops = gathers_by_loop(o3_programs["pipeline"].as_text())
   d, f = cfg.d_model, cfg.d_ff
-  kernels = {(d, 3 * d), (d, d), (d, f), (f, d)}
-  in_layers = [(t, s) for t, s in loops.get(cfg.n_layers // 2, ()) if s in kernels]
-  assert {s for _, s in in_layers} == kernels, loops
+  in_layers = _layer_gathers(o3_programs["pipeline"], cfg, cfg.n_layers // 2)
+  assert {s for _, s in in_layers} == {(d, 3 * d), (d, d), (d, f), (f, d)}, in_layers
   assert {t for t, _ in in_layers} == {"u8"}, in_layers
-  everywhere = [g for gathers in loops.values() for g in gathers]
-  assert max(int(np.prod(s)) for _, s in everywhere) <= d * f, loops
-  one, pipe = _peak(o3_programs[1]), _peak(o3_programs["pipeline"])
-  layer = 3 * d * d + d * d + 2 * d * f
-  print(f"peak per device, pipe 2 x data 4: {pipe / 2**20:.1f} MiB ({pipe / one:.3f} of one "
-        f"device's {one / 2**20:.1f} MiB)")
-  assert pipe <= one / 8 + 2 * layer * 9 + 2**20, (one, pipe)
+  _check_two_layers_in_flight(o3_programs, "pipeline")
 
 
 def test_o3_zero3_pipeline_replicas_with_counts_gather_per_layer(o3_programs):
@@ -275,20 +274,12 @@ def test_o3_zero3_pipeline_replicas_with_counts_gather_per_layer(o3_programs):
   counts); no whole stacked kernel is gathered, and the peak stays near the uniform
   pipeline's."""
   cfg = o3_programs["config"]
-  loops = gathers_by_loop(o3_programs["replicas"].as_text())
-  d, f = cfg.d_model, cfg.d_ff
-  sizes = {d * 3 * d, d * d, d * f}  # kernels as stored: qkv [d, h, 3, hd], out [h, hd, d]
-  in_layers = [(t, s) for t, s in loops.get(cfg.n_layers // 2, ()) if np.prod(s) in sizes]
-  # each kernel 3 times: the forward slot, the backward slot's forward again (the stage's
-  # remat: only its input is kept) and that slot's backward
-  assert len(in_layers) == 3 * 4 and {t for t, _ in in_layers} == {"u8"}, loops
-  everywhere = [g for gathers in loops.values() for g in gathers]
-  assert max(int(np.prod(s)) for _, s in everywhere) <= d * f, loops
-  one, replicas = _peak(o3_programs[1]), _peak(o3_programs["replicas"])
-  layer = 3 * d * d + d * d + 2 * d * f
-  print(f"peak per device, pipeline replicas with counts: {replicas / 2**20:.1f} MiB "
-        f"({replicas / one:.3f} of one device's {one / 2**20:.1f} MiB)")
-  assert replicas <= one / 8 + 2 * layer * 9 + 2**20, (one, replicas)
+  # kernels as stored (qkv [d, h, 3, hd], out [h, hd, d]), each 3 times: the forward slot,
+  # the backward slot's forward again (the stage's remat: only its input is kept) and that
+  # slot's backward
+  in_layers = _layer_gathers(o3_programs["replicas"], cfg, cfg.n_layers // 2)
+  assert len(in_layers) == 3 * 4 and {t for t, _ in in_layers} == {"u8"}, in_layers
+  _check_two_layers_in_flight(o3_programs, "replicas")
 
 
 def test_weight_gather_arguments_are_checked():
