@@ -71,17 +71,17 @@ def _chained(module: nn.Module, fn, lhs, rhs, *rest, activation: str | None = No
   # Like nn.Module.perturb: the taps are created when the collection is mutable, else used
   # if given (a probe that cannot make HEALTH_COLLECTION mutable, e.g. through pipeline
   # stages, reads the forward casts' health from the "forward_health" tap's gradient).
-  tapping = not module.is_initializing() and (
-      module.is_mutable_collection(PERTURBATIONS)
-      or module.has_variable(PERTURBATIONS, "output_grad_health"))
+  def tap(name: str) -> bool:
+    return not module.is_initializing() and (module.is_mutable_collection(PERTURBATIONS)
+                                             or module.has_variable(PERTURBATIONS, name))
   calibrating = (module.is_mutable_collection(CALIBRATION_COLLECTION)
                  and not module.is_initializing())
-  if probing or calibrating or tapping:
+  if probing or calibrating or tap("forward_health"):
     operand = (cast_transpose.activate(lhs, activation) if norm is None
                else cast_transpose.rms_norm(lhs, *norm))
   if probing:
     _sow_cast_health(module, meta, operand, rhs)
-  if tapping:
+  if tap("forward_health"):
     forward = module.variable(PERTURBATIONS, "forward_health", jnp.zeros, (4,), jnp.float32)
     lhs = _forward_health_tap(lhs, forward.value, forward_health(module.recipe, meta,
                                                                   operand, rhs))
@@ -91,15 +91,16 @@ def _chained(module: nn.Module, fn, lhs, rhs, *rest, activation: str | None = No
       module.sow(CALIBRATION_COLLECTION, role, scaling.compute_amax(x, axes),
                  reduce_fn=jnp.maximum, init_fn=lambda: jnp.zeros((), jnp.float32))
   y, chain[module.scope.path] = fn(lhs, rhs, *rest, meta)
-  if tapping:
+  if tap("output_grad_health"):
     og = meta.output_grad
     # The scale the backward cast will use; 0 when it uses the gradient's own amax (current
     # scaling, or a delayed meta that has observed nothing yet).
     stored = (jnp.max(og.amax_history) > 0) & (module.recipe.scaling == "delayed")
     # The probe differentiates w.r.t. this zero f32[2]: its gradient is the (saturated,
     # flushed) fractions of the output gradient's cast (summed over the layer's calls).
-    tap = module.variable(PERTURBATIONS, "output_grad_health", jnp.zeros, (2,), jnp.float32)
-    y = _health_tap(y, tap.value, jnp.where(stored, og.scale, 0.0), module.recipe.bwd_format)
+    og_tap = module.variable(PERTURBATIONS, "output_grad_health", jnp.zeros, (2,), jnp.float32)
+    y = _health_tap(y, og_tap.value, jnp.where(stored, og.scale, 0.0),
+                    module.recipe.bwd_format)
   return y
 
 
