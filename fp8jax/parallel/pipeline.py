@@ -278,18 +278,18 @@ class _Slots:
     `first`'s), added into `acc` = (loss sum, stacked gradients, shared gradients) unless
     the slot is a bubble (lockstep stages: their parameter gradients, already summed over
     the replicas, are added in every slot). Returns (acc, the input's gradient)."""
-    if self.fns.lockstep:  # every slot runs the stage's collectives; it computes where ran
-      loss, g_stacked, g_shared, dx = self._backward(x, g_in, part, ran)
-    else:
-      shapes = jax.eval_shape(self._backward, x, g_in, part)
-      loss, g_stacked, g_shared, dx = lax.cond(ran, lambda: self._backward(x, g_in, part),
-                                               lambda: _zeros(shapes))
     loss_sum, acc_stacked, acc_shared = acc
-    if self.fns.lockstep:  # every slot's parameter gradients are sums over the replicas
+    if self.fns.lockstep:
+      # Every slot runs the stage's collectives (it computes where ran), and every slot's
+      # parameter gradients are sums over the replicas: added unmasked; FP8 state masked.
+      loss, g_stacked, g_shared, dx = self._backward(x, g_in, part, ran)
       acc_stacked = jax.tree.map(
           lambda a, g: _select(ran, combine_max(a, g), a) if isinstance(a, Fp8Meta) else a + g,
           acc_stacked, g_stacked, is_leaf=lambda x: isinstance(x, Fp8Meta))
     else:
+      shapes = jax.eval_shape(self._backward, x, g_in, part)
+      loss, g_stacked, g_shared, dx = lax.cond(ran, lambda: self._backward(x, g_in, part),
+                                               lambda: _zeros(shapes))
       acc_stacked = _select(ran, accumulate_gradients(acc_stacked, g_stacked), acc_stacked)
     return (loss_sum + jnp.where(ran, loss, 0.0), acc_stacked,
             _select(ran, accumulate_gradients(acc_shared, g_shared), acc_shared)), dx
