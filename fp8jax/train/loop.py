@@ -59,6 +59,7 @@ class Trainer:
   run in the run folder instead of refusing to mix with it (``resume.claim_run_dir``)."""
 
   def __init__(self, config: Config, progress: bool = True, overwrite: bool = False):
+    self._created = time.perf_counter()  # the first step's wait counts from here
     build.check_layout(config)  # before reading data or compiling anything
     # before the first compile: every program of the run is read from / written to the cache
     self.compile_cache = use_compile_cache(config.runtime.compile_cache)
@@ -170,6 +171,8 @@ class Trainer:
         batch = self.next_batch(step)
         bf16_loss = self._watchdog_loss(step, batch)
         metrics = self._train_step(step, batch, heartbeat)
+        if step == start:
+          final["first_step_s"] = self._first_step_seconds(metrics)
         window.add(metrics, batch)
         due = self._due(step, preemption.requested, watchdog=bf16_loss is not None)
         if due.read_guards:
@@ -302,6 +305,15 @@ class Trainer:
     self._phase = oom.CHECKPOINT
     self.save(step)
     heartbeat.beat()
+
+  def _first_step_seconds(self, metrics: dict) -> float:
+    """Seconds from the Trainer's construction to the end of the run's first step (set-up,
+    data, compiles or cache loads, calibration, the step), printed on the primary process."""
+    jax.block_until_ready(metrics["loss"])
+    seconds = time.perf_counter() - self._created
+    if jax.process_index() == 0:
+      print(f"fp8jax train: first step done {seconds:.1f} s after start", flush=True)
+    return seconds
 
   def _finish(self, final: dict) -> dict:
     """After the last step: waits for pending checkpoints, closes the logs, prints the final

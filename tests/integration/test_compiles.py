@@ -1,6 +1,8 @@
 """A run compiles its train step once (the FP8 calibration is a probe pass, not a second
 step program; with pipeline stages too), and a second run of the same config loads its programs from the persistent
 compilation cache (``runtime.compile_cache``)."""
+import time
+
 import jax
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
@@ -23,8 +25,11 @@ def session_cache():
 
 
 def _run(cfg) -> CompileLog:
+  t0 = time.perf_counter()
   with CompileLog() as log:
-    Trainer(cfg, progress=False, overwrite=True).run()
+    final = Trainer(cfg, progress=False, overwrite=True).run()
+  # the wait for the first step is reported, and it is part of the run
+  assert 0 < final["first_step_s"] < time.perf_counter() - t0
   return log
 
 
@@ -40,7 +45,7 @@ PIPELINE = ["parallel.pipeline_parallel_size=2", "parallel.pipeline_schedule=1f1
 @pytest.mark.parametrize("stages", [1, 2])
 def test_one_train_step_compile_per_run_and_a_second_run_hits_the_cache(tmp_path,
                                                                          session_cache,
-                                                                         stages):
+                                                                         stages, capsys):
   cache = tmp_path / "cache"
   cfg = load_config(TINY, [
       "train.opt_level=O1", "fp8.calibrate=always", "train.steps=2", "train.log_every=1",
@@ -50,6 +55,7 @@ def test_one_train_step_compile_per_run_and_a_second_run_hits_the_cache(tmp_path
       "checkpoint.checkpoint_every_n_steps=0", f"runtime.run_dir={tmp_path / 'run'}",
       f"runtime.compile_cache={cache}", *(PIPELINE if stages > 1 else [])])
   first = _run(cfg)
+  assert "first step done" in capsys.readouterr().out
   assert jax.config.jax_compilation_cache_dir == str(cache)
   for name in ("train_step", "fp8_probe", "eval_step"):  # (calibration + health: one probe)
     assert len(first.of(name)) == 1, (name, first.compiles)
