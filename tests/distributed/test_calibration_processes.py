@@ -64,8 +64,9 @@ def test_two_process_calibration_pass_gives_the_one_process_scales(tmp_path):
   the same global batch: a scale comes from the max of |x| over the microbatch's rows, each
   row computed alike whichever device holds it, so the split over processes changes no bit."""
   t0 = time.monotonic()
-  logs = ft_util.run_workers("calibration_worker.py", [tmp_path, TINY, *OVERRIDES], 2,
-                             timeout=180)
+  logs = ft_util.run_workers(
+      "calibration_worker.py",
+      [tmp_path, TINY, *OVERRIDES, f"runtime.run_dir={tmp_path / 'two'}"], 2, timeout=180)
   t1 = time.monotonic()
   assert "process 0 of 2: mesh data=2" in logs[0], logs[0][-2000:]
   got = [_worker_state(tmp_path / f"fp8_{i}.npz") for i in range(2)]
