@@ -16,7 +16,12 @@ From the config come:
   (``train.microbatches``; with a batch ramp the step is built for that many) and the
   sequences each device runs per microbatch (:func:`device_sequences`);
 * the per-group step (``local_grads``) with ``parallel.device_map`` or FP8 gradient
-  communication; the fused O2 update as ``train.fused_optimizer`` takes it on GPUs.
+  communication; the fused O2 update as ``train.fused_optimizer`` takes it on GPUs;
+* the layers per pipeline stage (:func:`stage_layers`): every device holds the deepest
+  stage's during the step, so the estimate is that stage's. ``parallel.pipeline_layers:
+  auto`` with a ``device_map`` splits by the stages' speeds, known only with the mesh:
+  ``fp8jax.train.build.choose_auto`` passes the run's split (``build.stage_layers``) as
+  `pipeline_layers`; without it the estimate takes the deepest stage that split could give.
 
 The estimates (:func:`step_memory`, :func:`step_bytes`) are bytes per device from an analytic
 count (nothing is compiled). They are meant to err high: a wrong estimate should cost a less
