@@ -115,6 +115,12 @@ def _entries(device_map) -> dict[str, object]:
   return out
 
 
+def kinds(device_map) -> list[str]:
+  """The device kinds `device_map` has an entry for (its keys; a folder's: its profiles'
+  kinds), sorted."""
+  return sorted(_entries(device_map))
+
+
 def _match(kind: str, keys: Sequence[str]) -> str | None:
   hits = [k for k in keys if k == kind or k.lower() in kind.lower()]
   return max(hits, key=len) if hits else None

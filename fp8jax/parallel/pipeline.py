@@ -132,6 +132,14 @@ def split_layers(n_layers: int, stage_seconds) -> tuple[int, ...]:
   return tuple(layers)
 
 
+def speed_stage_layers(n_layers: int, stage_seconds) -> tuple[int, ...] | None:
+  """The layers per stage ``parallel.pipeline_layers: auto`` runs for stages taking
+  `stage_seconds` per layer: :func:`split_layers`, or None (the even layout, no padding) when
+  it gives every stage the same count."""
+  layers = split_layers(n_layers, stage_seconds)
+  return None if len(set(layers)) == 1 else layers
+
+
 def check_stage_layers(stage_layers, stages: int, n_layers: int) -> tuple[int, ...]:
   """`stage_layers` as a tuple if it gives each of `stages` stages >= 1 layer and sums to
   `n_layers`; else ValueError."""

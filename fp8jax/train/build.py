@@ -22,6 +22,7 @@ from fp8jax.parallel import pipeline as pipeline_lib
 from fp8jax.parallel.capability import gather_reports
 from fp8jax.parallel.mesh import PIPE, pipe_size
 from fp8jax.parallel.zero import ZeroPlan
+from fp8jax.train import memory as memory_lib
 from fp8jax.train.evaluation import EvalStep, Probe, build_eval_step, build_probe
 from fp8jax.train.memory import run_bytes
 from fp8jax.train.optimizer import make_fused_update, make_optimizer, schedule_for
@@ -99,10 +100,33 @@ def _policy_candidates(config) -> tuple[str, ...]:
   return ("save_gemm_outputs", "full")
 
 
-def _choose_policy(config, attention_impl: str, reports) -> tuple[str, str]:
+def estimate_stage_layers(config, reports: Sequence[DeviceReport], mesh=None
+                          ) -> tuple[int, ...] | None:
+  """The layers per pipeline stage the memory estimate of :func:`choose_auto` takes (None:
+  an even split): on `mesh` (the run's), the split the run will use (:func:`stage_layers`);
+  without it, as ``fp8jax.train.memory.stage_layers`` bounds it from the kinds of `reports`
+  (or the declared ``parallel.device_kinds``): the deepest stage the "auto" split could give,
+  which only "auto" with a ``device_map`` leaves open."""
+  p = config.parallel
+  if mesh is not None and p.pipeline_parallel_size > 1:
+    return stage_layers(config, mesh, config.model.model_config().n_layers)
+  kinds = None if p.device_kinds is not None else [r.device_kind for r in reports]
+  return memory_lib.stage_layers(config, kinds)
+
+
+def _split_needs_mesh(config) -> bool:
+  """Whether the layers per pipeline stage of `config`'s run depend on its mesh ("auto" with
+  a ``device_map`` and several stages)."""
+  p = config.parallel
+  return (p.pipeline_parallel_size > 1 and p.pipeline_layers == "auto"
+          and p.device_map is not None)
+
+
+def _choose_policy(config, attention_impl: str, reports, mesh=None) -> tuple[str, str]:
   """(remat policy, why) for a GPU run: the least recomputing policy whose estimated run
-  (``fp8jax.train.memory.run_bytes``: the train step, evaluation and FP8 probe; FP8 emulated
-  where a device lacks FP8 GEMMs) fits the smallest device's usable memory."""
+  (``fp8jax.train.memory.run_bytes``: the train step, evaluation and FP8 probe of the busiest
+  pipeline stage, its layers per stage from :func:`estimate_stage_layers` on `mesh`; FP8
+  emulated where a device lacks FP8 GEMMs) fits the smallest device's usable memory."""
   if not config.model.remat:
     return "full", "remat is off: no policy applies"
   usable = [_usable_bytes(r) for r in reports]
@@ -111,26 +135,35 @@ def _choose_policy(config, attention_impl: str, reports) -> tuple[str, str]:
   usable_min = min(usable)
   devices = _run_device_count(config, reports)
   emulated = config.level().fp8_gemms and any(device_reason(r) for r in reports)
+  split = estimate_stage_layers(config, reports, mesh)
+  stages = "" if split is None else f" (deepest pipeline stage: {max(split)} layers)"
   estimate = 0.0
   for policy in _policy_candidates(config):
-    estimate = run_bytes(config, policy, attention_impl, devices, emulated)
+    estimate = run_bytes(config, policy, attention_impl, devices, emulated,
+                         pipeline_layers=split)
     if estimate <= usable_min:
-      return policy, (f"estimated {estimate / GiB:.1f} GiB per device of "
+      return policy, (f"estimated {estimate / GiB:.1f} GiB per device{stages} of "
                       f"{usable_min / GiB:.1f} GiB usable")
-  return "full", (f"estimated {estimate / GiB:.1f} GiB per device even with full remat, "
-                  f"{usable_min / GiB:.1f} GiB usable")
+  return "full", (f"estimated {estimate / GiB:.1f} GiB per device{stages} even with full "
+                  f"remat, {usable_min / GiB:.1f} GiB usable")
 
 
-def choose_auto(config, devices: Sequence[DeviceReport] | None = None) -> AutoChoice:
+def choose_auto(config, devices: Sequence[DeviceReport] | None = None, mesh=None
+                ) -> AutoChoice:
   """The values of `config`'s "auto" model settings on `devices` (one
   :class:`fp8jax.hardware.DeviceReport` per process; None: this run's, gathered from every
   process by :func:`run_reports`, so all processes call it). Every process gets the same
-  choice from the same reports.
+  choice from the same reports. `mesh`: the run's mesh, which fixes the layers per pipeline
+  stage of ``parallel.pipeline_layers: auto`` with a ``device_map``; None: with `devices`
+  None this run's (``parallel.mesh_from_config`` of :func:`run_devices`, as
+  :func:`zero_plan` builds it), else unknown (the memory estimate then takes the deepest
+  stage that split could give, :func:`estimate_stage_layers`).
 
   * attention_impl: "cudnn" where every process's devices run cuDNN flash attention for the
     model's shape and dtype (``fp8jax.models.layers.cudnn_attention_reason``), else "xla".
   * remat_policy: on GPUs with remat on, the first of save_gemm_io (levels with FP8 GEMMs),
-    save_gemm_outputs, full whose estimated step memory (``fp8jax.train.memory``) fits
+    save_gemm_outputs, full whose estimated run memory (``fp8jax.train.memory``; with
+    pipeline stages the busiest stage's, at the layers per stage the run will use) fits
     :data:`MEMORY_FRACTION` of the smallest device memory; "full" elsewhere.
   * scan_layers: on GPUs, False (unrolled) for at most :data:`UNROLL_MAX_LAYERS` layers when
     remat is off or keeps more than the layer inputs (unrolled layers with full remat ran
@@ -155,8 +188,12 @@ def choose_auto(config, devices: Sequence[DeviceReport] | None = None) -> AutoCh
     reasons["attention_impl"] = why_not[0] if why_not else f"cuDNN flash attention on {where}"
   policy = m.remat_policy
   if policy == AUTO:
-    policy, why = _choose_policy(config, attention, reports) if gpu else \
-        ("full", f"on {where}")
+    if gpu:
+      if mesh is None and devices is None and _split_needs_mesh(config):
+        mesh = parallel.mesh_from_config(config.parallel, run_devices(config))
+      policy, why = _choose_policy(config, attention, reports, mesh)
+    else:
+      policy, why = "full", f"on {where}"
     values["remat_policy"], reasons["remat_policy"] = policy, why
   if m.scan_layers == AUTO:
     if not gpu:
@@ -172,10 +209,10 @@ def choose_auto(config, devices: Sequence[DeviceReport] | None = None) -> AutoCh
   return AutoChoice({k: values[k] for k in auto}, {k: reasons[k] for k in auto}, notes)
 
 
-def resolve_auto(config, devices: Sequence[DeviceReport] | None = None):
+def resolve_auto(config, devices: Sequence[DeviceReport] | None = None, mesh=None):
   """`config` with its "auto" model settings replaced by :func:`choose_auto`'s values for
-  `devices` (None: this run's devices); a config without "auto" comes back unchanged."""
-  return choose_auto(config, devices).apply(config)
+  `devices` and `mesh` (None: this run's); a config without "auto" comes back unchanged."""
+  return choose_auto(config, devices, mesh).apply(config)
 
 
 def run_model(config) -> RunModel:
@@ -324,14 +361,13 @@ def stage_layers(config, mesh, n_layers: int) -> tuple[int, ...] | None:
   """The layers each pipeline stage runs (``parallel.pipeline_layers``): a configured list
   (checked against `n_layers`), or with "auto" and a ``device_map`` whose stages differ in
   speed, `n_layers` split in proportion to their speeds
-  (``fp8jax.parallel.pipeline.split_layers``); None: an even split."""
+  (``fp8jax.parallel.pipeline.speed_stage_layers``); None: an even split."""
   spec, stages = config.parallel.pipeline_layers, pipe_size(mesh)
   if not isinstance(spec, str):
     return pipeline_lib.check_stage_layers(tuple(spec), stages, n_layers)
   if spec == "even" or config.parallel.device_map is None:
     return None
-  layers = pipeline_lib.split_layers(n_layers, stage_seconds(config, mesh))
-  return None if len(set(layers)) == 1 else layers
+  return pipeline_lib.speed_stage_layers(n_layers, stage_seconds(config, mesh))
 
 
 def step_loop(config, plan: ZeroPlan, model, microbatches: int,

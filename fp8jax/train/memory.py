@@ -16,7 +16,12 @@ From the config come:
   (``train.microbatches``; with a batch ramp the step is built for that many) and the
   sequences each device runs per microbatch (:func:`device_sequences`);
 * the per-group step (``local_grads``) with ``parallel.device_map`` or FP8 gradient
-  communication; the fused O2 update as ``train.fused_optimizer`` takes it on GPUs.
+  communication; the fused O2 update as ``train.fused_optimizer`` takes it on GPUs;
+* the layers per pipeline stage (:func:`stage_layers`): every device holds the deepest
+  stage's during the step, so the estimate is that stage's. ``parallel.pipeline_layers:
+  auto`` with a ``device_map`` splits by the stages' speeds, known only with the mesh:
+  ``fp8jax.train.build.choose_auto`` passes the run's split (``build.stage_layers``) as
+  `pipeline_layers`; without it the estimate takes the deepest stage that split could give.
 
 The estimates (:func:`step_memory`, :func:`step_bytes`) are bytes per device from an analytic
 count (nothing is compiled). They are meant to err high: a wrong estimate should cost a less
@@ -28,11 +33,13 @@ tests/integration/test_simulate.py checks them against compiled steps on CPU dev
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 import numpy as np
 
 from fp8jax.models.family import family_of
-from fp8jax.parallel import cost_inputs as ci, step_memory as sm
+from fp8jax.parallel import cost_inputs as ci, device_map as device_map_lib, step_memory as sm
+from fp8jax.parallel import pipeline as pipeline_lib
 
 REMAT_POLICIES = ci.REMAT_POLICIES
 ATTENTION_IMPLS = ci.ATTENTION_IMPLS
@@ -103,15 +110,35 @@ def _fused_update(config, devices: int) -> bool:
   return config.level().fused_update and devices == 1 and config.zero_stage() == 0
 
 
-def stage_layers(config) -> tuple[int, ...] | None:
-  """The layers each pipeline stage runs as far as the config alone tells: an explicit
-  ``parallel.pipeline_layers`` list; None (an even split) otherwise. (With "auto" and a
-  ``device_map`` the split also depends on the devices' kinds: ``fp8jax.train.build.
-  stage_layers`` reads it from the mesh; pass it to :func:`step_memory`.)"""
-  spec = config.parallel.pipeline_layers
-  if isinstance(spec, str) or config.parallel.pipeline_parallel_size == 1:
+def stage_layers(config, kinds: Sequence[str] | None = None) -> tuple[int, ...] | None:
+  """The layers each pipeline stage runs as far as the config (and `kinds`) tell, for a
+  memory estimate made without the run's mesh: an explicit ``parallel.pipeline_layers``
+  list; None (an even split) with one stage, ``pipeline_layers: even``, or "auto" without a
+  ``device_map``.
+
+  With "auto" and a ``device_map`` the run splits the layers by its stages' speeds, which
+  depend on which devices each stage gets (the mesh: ``fp8jax.train.build.stage_layers``;
+  pass that split as :func:`step_memory`'s `pipeline_layers` where the mesh is known). Without
+  the mesh the split is not known, so this is the deepest stage it could give: the split
+  (``fp8jax.parallel.pipeline.speed_stage_layers``) of one stage of the fastest of `kinds`
+  against stages of the slowest (default `kinds`: the declared ``parallel.device_kinds``,
+  else every kind of the ``device_map``). Every device holds the deepest stage's layers
+  during the step, so an estimate with this split errs high, never below the run's."""
+  p = config.parallel
+  spec, stages = p.pipeline_layers, p.pipeline_parallel_size
+  if stages == 1:
     return None
-  return tuple(spec)
+  if not isinstance(spec, str):
+    return tuple(spec)
+  if spec == "even" or p.device_map is None:
+    return None
+  if kinds is None:
+    kinds = (device_map_lib.parse_kinds(p.device_kinds) if p.device_kinds is not None
+             else device_map_lib.kinds(p.device_map))
+  seconds = device_map_lib.seconds_per_microbatch(p.device_map, sorted(set(kinds)),
+                                                  config.train.microbatch_size)
+  return pipeline_lib.speed_stage_layers(_family_config(config.model).n_layers,
+                                         [min(seconds)] + [max(seconds)] * (stages - 1))
 
 
 def step_memory(config, remat_policy: str, attention_impl: str, devices: int = 1,
@@ -124,7 +151,8 @@ def step_memory(config, remat_policy: str, attention_impl: str, devices: int = 1
   `emulated`: the devices run FP8 GEMMs emulated (no FP8 tensor cores); `assumptions`: the
   model's constants (the default's are H200 measurements); `slots`: microbatches of the
   busiest rank (default :func:`busiest_count`); `pipeline_layers`: the layers each pipeline
-  stage runs (default :func:`stage_layers`)."""
+  stage runs (default :func:`stage_layers`: the config's split, or with "auto" and a
+  ``device_map`` the deepest stage that split could give)."""
   if remat_policy not in REMAT_POLICIES:
     raise ValueError(f"remat_policy={remat_policy!r} is not allowed; use one of "
                      f"{list(REMAT_POLICIES)}")
@@ -159,12 +187,12 @@ def busiest_count(config, devices: int = 1) -> int:
 
 
 def step_bytes(config, remat_policy: str, attention_impl: str, devices: int = 1,
-               emulated: bool = False, assumptions: ci.Assumptions = ci.Assumptions()
-               ) -> float:
+               emulated: bool = False, assumptions: ci.Assumptions = ci.Assumptions(),
+               pipeline_layers: tuple[int, ...] | None = None) -> float:
   """Estimated peak bytes per device of `config`'s train step: the peak of
   :func:`step_memory` (same arguments)."""
   return float(step_memory(config, remat_policy, attention_impl, devices, emulated,
-                           assumptions).peak)
+                           assumptions, pipeline_layers=pipeline_layers).peak)
 
 
 # The phases of a run besides its optimizer steps run on the train step's memory plan
@@ -174,8 +202,8 @@ PHASES = ("train step", "evaluation", "FP8 probe")
 
 
 def phase_bytes(config, remat_policy: str, attention_impl: str, devices: int = 1,
-                emulated: bool = False, assumptions: ci.Assumptions = ci.Assumptions()
-                ) -> dict[str, float]:
+                emulated: bool = False, assumptions: ci.Assumptions = ci.Assumptions(),
+                pipeline_layers: tuple[int, ...] | None = None) -> dict[str, float]:
   """Estimated peak bytes per device of each phase of a run of `config` (:data:`PHASES`;
   arguments as for :func:`step_memory`):
 
@@ -190,7 +218,8 @@ def phase_bytes(config, remat_policy: str, attention_impl: str, devices: int = 1
   Each is the step's state plus a subset of its backward terms: the evaluation and the probe
   never exceed the step in this model (``tests/integration/test_phase_memory.py`` checks the
   compiled programs)."""
-  mem = step_memory(config, remat_policy, attention_impl, devices, emulated, assumptions)
+  mem = step_memory(config, remat_policy, attention_impl, devices, emulated, assumptions,
+                    pipeline_layers=pipeline_layers)
   state, b = sum(mem.state.values()), mem.backward
   weights = sum(b.get(k, 0.0) for k in ("decoded weights", "gathered weights",
                                         "gathered model", "widened FP8 weight"))
@@ -205,9 +234,10 @@ def phase_bytes(config, remat_policy: str, attention_impl: str, devices: int = 1
 
 
 def run_bytes(config, remat_policy: str, attention_impl: str, devices: int = 1,
-              emulated: bool = False, assumptions: ci.Assumptions = ci.Assumptions()
-              ) -> float:
+              emulated: bool = False, assumptions: ci.Assumptions = ci.Assumptions(),
+              pipeline_layers: tuple[int, ...] | None = None) -> float:
   """Estimated peak bytes per device of a run of `config`: the largest of
-  :func:`phase_bytes` (same arguments)."""
+  :func:`phase_bytes` (same arguments; with pipeline stages every device holds the deepest
+  stage's layers during the step, so this is the busiest stage's)."""
   return max(phase_bytes(config, remat_policy, attention_impl, devices, emulated,
-                         assumptions).values())
+                         assumptions, pipeline_layers=pipeline_layers).values())

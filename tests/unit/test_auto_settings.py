@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from fp8jax import xla_env
+from fp8jax import parallel, xla_env
 from fp8jax.config import Config, load_config
 from fp8jax.hardware import DeviceReport, GiB, cudnn_attention_head_dim
 from fp8jax.models.gpt import ModelConfig
@@ -268,3 +268,57 @@ def test_run_memory_counts_evaluation_and_probe_below_the_step(path, sets):
     assert step == memory.step_bytes(cfg, policy, "cudnn", devices=4)
     assert 0 < max(phases.values()) < step, phases
     assert memory.run_bytes(cfg, policy, "cudnn", devices=4) == step
+
+
+def _mixed_pipeline(*overrides):
+  """GPT 1.3B (24 layers) over 2 pipeline stages x 4 ranks, layers split by stage speed
+  (H100 3x an A100), the 8 devices declared 4 x A100 (stage 0) + 4 x H100 (stage 1)."""
+  return _gpt_1_3b("parallel.pipeline_parallel_size=2", "train.batch_size=32",
+                   "train.microbatches=8", "parallel.zero_stage=1",
+                   "parallel.device_map={A100: 1.0, H100: 3.0}",
+                   "parallel.device_kinds=4xA100+4xH100", *overrides)
+
+
+def test_remat_policy_estimate_follows_the_uneven_pipeline_split(monkeypatch):
+  """pipeline_layers auto gives the A100 stage 6 of the 24 layers and the H100 stage 18 (the
+  run's split, build.stage_layers of its mesh); every device holds the deepest stage's 18
+  during the step. choose_auto estimates that stage, not an even 12 + 12: with memory between
+  the two estimates of save_gemm_io it takes a policy that fits 18 layers. With only the
+  reports (no mesh) it takes the deepest stage the split could give, here the same 18; with
+  the mesh (given, or this run's when `devices` is None) the run's own split."""
+  cfg = _mixed_pipeline()
+  mesh = parallel.mesh_from_config(cfg.parallel)
+  split = build.stage_layers(cfg, mesh, 24)
+  assert split == (6, 18)
+  args = ("cudnn", 8, True)  # 8 devices; the A100s emulate FP8 GEMMs
+  even = memory.step_memory(cfg, "save_gemm_io", *args, pipeline_layers=(12, 12)).peak
+  uneven = {p: memory.step_memory(cfg, p, *args, pipeline_layers=split).peak
+            for p in ("save_gemm_io", "save_gemm_outputs")}
+  assert uneven["save_gemm_outputs"] > 1.2 * even  # the deepest stage's 18 layers
+  usable = (uneven["save_gemm_io"] + uneven["save_gemm_outputs"]) / 2
+  a100 = _with_memory(A100._replace(device_count=4), usable)
+  h100 = _with_memory(DeviceReport(1, "gpu", "NVIDIA H100 80GB HBM3", "9.0", 4), usable)
+  monkeypatch.setattr(build, "run_reports", lambda devices=None: (a100, h100))
+  for mesh_given in (None, mesh):
+    for devices in ([a100, h100], None):  # None: this run's mesh (8 CPU devices)
+      choice = build.choose_auto(cfg, devices, **({} if mesh_given is None else
+                                                  {"mesh": mesh_given}))
+      assert choice.settings["remat_policy"] == "save_gemm_outputs", (devices, mesh_given)
+      assert choice.reasons["remat_policy"].startswith(
+          f"estimated {uneven['save_gemm_outputs'] / GiB:.1f} GiB per device (deepest "
+          "pipeline stage: 18 layers)"), choice.reasons
+  assert memory.run_bytes(cfg, "save_gemm_outputs", *args, pipeline_layers=split) == \
+      uneven["save_gemm_outputs"]  # (the step is the run's largest phase)
+  # with the mesh the run's split, below the bound taken without it: stages A100/H100/H100/H100
+  four = _mixed_pipeline("parallel.pipeline_parallel_size=4", "parallel.zero_stage=0",
+                         "parallel.device_kinds=2xA100+6xH100")
+  run = build.stage_layers(four, parallel.mesh_from_config(four.parallel), 24)
+  assert run == (2, 8, 7, 7) and max(memory.stage_layers(four)) == 12
+  assert build.estimate_stage_layers(four, [a100, h100]) == memory.stage_layers(four)
+  assert build.estimate_stage_layers(four, [], parallel.mesh_from_config(four.parallel)) == run
+  # without declared kinds, the reports' kinds bound it: one kind splits evenly
+  plain = _gpt_1_3b("parallel.pipeline_parallel_size=2", "train.microbatches=2",
+                    "parallel.device_map={A100: 1.0, H100: 3.0}")
+  assert memory.stage_layers(plain) == (18, 6)  # (every kind of the device_map)
+  assert memory.stage_layers(plain, [h100.device_kind]) is None
+  assert build.estimate_stage_layers(plain, [a100, h100]) == (18, 6)
