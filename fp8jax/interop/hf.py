@@ -39,7 +39,8 @@ EXPORT_DTYPES = ("float32", "float16", "bfloat16")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 # LlamaConfig fields a caller may set when loading: numerics and memory, not shapes.
 LOAD_OVERRIDES = ("max_seq_len", "dtype", "param_dtype", "remat", "remat_policy",
-                  "remat_save_fp8_weights", "scan_layers", "dropout_rate", "attention_impl")
+                  "remat_save_fp8_weights", "scan_layers", "dropout_rate", "attention_impl",
+                  "fp8_head")
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads")
 _SHARD_NAME = re.compile(r"model-\d+-of-\d+\.safetensors$")

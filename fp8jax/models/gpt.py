@@ -2,8 +2,9 @@
 
 Pre-norm blocks (RMSNorm or LayerNorm, computed in f32), rotary position embeddings, causal
 multi-head attention (scores and softmax in f32) and a GELU or SwiGLU MLP. Every projection
-(fused qkv, attention output, MLP in/gate/out, the LM head unless tied) is an ``nn.Dense`` /
-``nn.DenseGeneral`` whose GEMM is :class:`fp8jax.linen.Fp8DotGeneral` when a recipe is given;
+of the blocks (fused qkv, attention output, MLP in/gate/out) is an ``nn.Dense`` /
+``nn.DenseGeneral`` whose GEMM is :class:`fp8jax.linen.Fp8DotGeneral` when a recipe is given
+(the untied LM head too with ``fp8_head``; by default it stays BF16 with f32 output);
 embeddings, norms, softmax and the activation x activation attention matmuls stay in the
 compute dtype (BF16) / f32, as MS-AMP does. Layers run under ``nn.scan`` (parameters and FP8
 state stacked on a leading layer axis) and optionally ``nn.remat`` (which by default keeps
@@ -92,6 +93,10 @@ class ModelConfig:
     dtype: compute dtype name of activations and BF16 GEMMs ("bfloat16", "float32", ...).
     param_dtype: storage dtype name of parameters.
     tie_embeddings: the LM head reuses the embedding matrix (then it is a BF16 GEMM).
+    fp8_head: the untied LM head's GEMM in FP8 too when the model has a recipe. False
+      (default): the head runs in BF16 with f32 output at every level, as
+      ``fp8jax.convert``'s ``keep_head`` keeps it (the logits and their gradient, the
+      softmax's output minus the targets, are the tensors a per-tensor FP8 scale serves worst).
     rope_theta: RoPE frequency base.
     dropout_rate: dropout on embeddings and residual branches (training only).
     attention_impl: ``jax.nn.dot_product_attention`` implementation, "xla" or "cudnn";
@@ -115,6 +120,7 @@ class ModelConfig:
   dtype: str = "bfloat16"
   param_dtype: str = "float32"
   tie_embeddings: bool = False
+  fp8_head: bool = False
   rope_theta: float = 10000.0
   dropout_rate: float = 0.0
   attention_impl: str = "auto"
@@ -132,7 +138,7 @@ class ModelConfig:
                           ("param_dtype", PARAM_DTYPES), ("attention_impl", ATTENTION_IMPLS),
                           ("remat_policy", REMAT_POLICIES)):
       layers.check_choice("ModelConfig", name, getattr(self, name), allowed)
-    for name in ("remat", "remat_save_fp8_weights", "tie_embeddings"):
+    for name in ("remat", "remat_save_fp8_weights", "tie_embeddings", "fp8_head"):
       layers.check_bool("ModelConfig", name, getattr(self, name))
     for name in ("scan_layers", "fuse_gelu_into_fp8_cast"):
       layers.check_bool_or_auto("ModelConfig", name, getattr(self, name))

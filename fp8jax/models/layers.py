@@ -12,7 +12,7 @@ A family's config is a frozen dataclass with (as fields or properties): vocab_si
 n_layers, n_heads, n_kv_heads (dividing n_heads), head_dim, d_ff, max_seq_len, mlp ("gelu" |
 "swiglu"), norm ("rmsnorm" | "layernorm"), norm_eps, remat, remat_policy,
 remat_save_fp8_weights, scan_layers, fuse_gelu_into_fp8_cast, dtype, param_dtype,
-tie_embeddings, dropout_rate, attention_impl. attention_impl, remat_policy and scan_layers
+tie_embeddings, fp8_head, dropout_rate, attention_impl. attention_impl, remat_policy and scan_layers
 may be "auto": the attention then resolves for this process's device when traced
 (:func:`attention_impl_for`), the remat policy runs "full" and the layers the scan, unless
 ``fp8jax.train.build.resolve_auto`` resolved them for a run first.
@@ -441,8 +441,8 @@ class Decoder(nn.Module):
 
   Attributes:
     config: the family's config (see the module docstring for the fields read).
-    recipe: FP8 recipe of every projection and the untied LM head; None runs BF16 GEMMs
-      (level O0).
+    recipe: FP8 recipe of every projection (and of the untied LM head with
+      ``config.fp8_head``); None runs BF16 GEMMs (level O0).
   """
 
   # Under an active fp8jax.fsdp.WeightGather (ZeRO-3) it gathers every sharded parameter
@@ -537,9 +537,10 @@ def embed_kwargs(config) -> dict:
 
 
 def head_kwargs(config, recipe: Recipe | None) -> dict:
-  """The untied LM head's ``nn.Dense`` arguments: its GEMM (FP8 with `recipe`) writes f32."""
+  """The untied LM head's ``nn.Dense`` arguments: its GEMM (FP8 with `recipe` when
+  ``config.fp8_head``, else BF16) writes f32."""
   kw = dense_kwargs(config, None, config.d_model ** -0.5)
-  kw["dot_general_cls"] = f32_out_gemm(recipe)
+  kw["dot_general_cls"] = f32_out_gemm(recipe if config.fp8_head else None)
   return dict(features=config.vocab_size, **kw)
 
 

@@ -124,7 +124,7 @@ class LlamaConfig:
       of its fields, optionally with ``rope_type: llama3``, is converted).
     norm_eps: RMSNorm epsilon.
     tie_embeddings: the LM head reuses the embedding matrix (then it is a BF16 GEMM).
-    remat, remat_policy, remat_save_fp8_weights, scan_layers, dtype, param_dtype,
+    fp8_head, remat, remat_policy, remat_save_fp8_weights, scan_layers, dtype, param_dtype,
     dropout_rate, attention_impl: as in ``fp8jax.models.gpt.ModelConfig``.
   """
 
@@ -139,6 +139,7 @@ class LlamaConfig:
   rope_scaling: Llama3RopeScaling | None = None
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
+  fp8_head: bool = False
   remat: bool = False
   remat_policy: str = "auto"
   scan_layers: bool | str = "auto"
@@ -165,7 +166,7 @@ class LlamaConfig:
                           ("attention_impl", ATTENTION_IMPLS),
                           ("remat_policy", REMAT_POLICIES)):
       layers.check_choice(owner, name, getattr(self, name), allowed)
-    for name in ("remat", "remat_save_fp8_weights", "tie_embeddings"):
+    for name in ("remat", "remat_save_fp8_weights", "tie_embeddings", "fp8_head"):
       layers.check_bool(owner, name, getattr(self, name))
     layers.check_bool_or_auto(owner, "scan_layers", self.scan_layers)
     layers.check_float(owner, "rope_theta", self.rope_theta, lambda v: v > 1, "a number > 1")

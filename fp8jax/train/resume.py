@@ -244,9 +244,10 @@ class RunCheckpoints:
     differ, e.g. "auto" settings resolved on another device kind."""
     saved = meta.get("config", {})
     mine = config_to_dict(self.config)
-    for section, key in [("model", k) for k in mine["model"] if k not in COMPUTE_KEYS] + [
+    ignored = COMPUTE_KEYS | ({"fp8_head"} if not _fp8_head_has_state(self.config) else set())
+    for section, key in [("model", k) for k in mine["model"] if k not in ignored] + [
         ("train", "opt_level")]:
-      old = saved.get(section, {}).get(key, mine[section][key])
+      old = saved.get(section, {}).get(key, BEFORE_THE_KEY.get(key, mine[section][key]))
       if old != mine[section][key]:
         raise ValueError(
             f"{section}.{key}={mine[section][key]!r} but the checkpoints in "
@@ -254,6 +255,15 @@ class RunCheckpoints:
             f"the same value to resume, or another checkpoint.dir / auto_resume: false")
 
 
+def _fp8_head_has_state(config) -> bool:
+  """Whether ``model.fp8_head`` changes the state a run of `config` holds: a built-in family's
+  untied LM head at a level with FP8 GEMMs (its FP8 meta)."""
+  model = config.model.model_config()
+  return model is not None and not model.tie_embeddings and config.level().fp8_gemms
+
+
+# Model keys added after checkpoints were written without them: the value those runs had.
+BEFORE_THE_KEY = {"fp8_head": True}  # the LM head ran in FP8 (it has FP8 state)
 # Model keys that change how the step computes, not the state a checkpoint holds.
 COMPUTE_KEYS = frozenset({"attention_impl", "remat", "remat_policy", "remat_save_fp8_weights",
                           "scan_layers", "fuse_gelu_into_fp8_cast", "dtype"})

@@ -107,9 +107,29 @@ def test_fp8_close_to_bf16_and_state_stacked(key):
   layer_leaves = jax.tree.leaves(meta["layers"])
   assert len(layer_leaves) == 4 * 3 * 2  # qkv, out, fc_in, fc_out x 3 roles x 2 arrays
   assert all(a.shape[0] == TINY.n_layers for a in layer_leaves)
-  assert jax.tree.leaves(meta["head"])[0].shape == ()  # outside the scan: not stacked
+  assert "head" not in meta  # the LM head is a BF16 GEMM unless fp8_head
   o0_shapes = jax.eval_shape(GPT(TINY).init, k1, tokens)
   assert FP8_COLLECTION not in o0_shapes
+
+
+def test_lm_head_is_bf16_unless_fp8_head(key):
+  """At an FP8 level the untied LM head runs the BF16 GEMM of O0 (bit for bit) by default,
+  and in FP8 with fp8_head: its logits then err clearly above BF16's against the f32 head,
+  within FP8's bound, and its FP8 state sits outside the layer scan."""
+  k1, k2 = jax.random.split(key)
+  fp8_head = TINY.replace(fp8_head=True)
+  variables = _variables(fp8_head, k1)
+  assert jax.tree.leaves(variables[FP8_COLLECTION]["head"])[0].shape == ()
+  x = jax.random.normal(k2, (B, T, TINY.d_model), jnp.float32)  # a final hidden state
+
+  def logits(cfg, recipe):
+    parts = GPT(cfg, recipe).parts()
+    return parts.logits(parts.split(variables)[1], x)
+  ref = logits(TINY.replace(dtype="float32"), None)
+  bf16, default, fp8 = logits(TINY, None), logits(TINY, FP8), logits(fp8_head, FP8)
+  np.testing.assert_array_equal(default, bf16)
+  e_bf16, e_fp8 = rel_err(bf16, ref), rel_err(fp8, ref)
+  assert e_bf16 < 0.02 and 3 * e_bf16 < e_fp8 < 0.2
 
 
 @pytest.mark.default_codegen

@@ -333,3 +333,25 @@ def test_resume_refuses_checkpoints_of_another_model_or_level():
       str(e.value))
   with pytest.raises(ValueError, match="train.opt_level='O1' but .* train.opt_level='O2'"):
     RunCheckpoints._check_same_run(fake(load_config(None, ["model.d_model=256"])), meta)
+
+
+def test_resume_of_a_checkpoint_from_before_fp8_head_names_the_setting():
+  """Checkpoints written before model.fp8_head existed ran the LM head in FP8 (it has FP8
+  state): resuming one at an FP8 level asks for fp8_head true; at O0 the key is moot."""
+  from types import SimpleNamespace
+
+  from fp8jax.config import config_to_dict
+  from fp8jax.train.resume import RunCheckpoints
+  fake = lambda cfg: SimpleNamespace(config=cfg, directory="ck")
+  for level in ("O0", "O2"):
+    meta = {"config": config_to_dict(load_config(None, [f"train.opt_level={level}"]))}
+    del meta["config"]["model"]["fp8_head"]
+    RunCheckpoints._check_same_run(fake(load_config(None, [f"train.opt_level={level}",
+                                                            "model.fp8_head=true"])), meta)
+    now = fake(load_config(None, [f"train.opt_level={level}"]))
+    if level == "O0":
+      RunCheckpoints._check_same_run(now, meta)
+    else:
+      with pytest.raises(ValueError, match="model.fp8_head=False but the checkpoints in ck "
+                                           "were written with model.fp8_head=True"):
+        RunCheckpoints._check_same_run(now, meta)
