@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import multihost_utils
 import numpy as np
 
 from fp8jax.scaling import Fp8Meta
@@ -23,15 +24,26 @@ from fp8jax.scaling import Fp8Meta
 
 def any_unobserved(fp8_state) -> bool:
   """True when some FP8 state (an Fp8Meta of `fp8_state`, stacked or not) has never observed
-  a tensor: its whole amax history is zero. Reads the values (waits for the device)."""
+  a tensor: its whole amax history is zero. Reads every shard (a stacked state split over
+  pipeline stages holds other layers on other devices) and, with several processes, agrees
+  across them (every process must call it). Waits for the device."""
   metas = jax.tree.leaves(fp8_state, is_leaf=lambda x: isinstance(x, Fp8Meta))
-  for m in metas:
-    if isinstance(m, Fp8Meta):
-      h = m.amax_history
-      h = np.asarray(h.addressable_data(0) if hasattr(h, "addressable_data") else h)
-      if h.size and bool((h.max(axis=-1) <= 0).any()):
-        return True
-  return False
+  found = any(_unobserved(part) for m in metas if isinstance(m, Fp8Meta)
+              for part in _local_parts(m.amax_history))
+  if jax.process_count() > 1:
+    found = bool(np.any(multihost_utils.process_allgather(np.asarray(found))))
+  return found
+
+
+def _local_parts(x) -> list[np.ndarray]:
+  """This process's shards of `x` (a jax.Array, or `x` itself as one part)."""
+  if hasattr(x, "addressable_shards"):
+    return [np.asarray(s.data) for s in x.addressable_shards]
+  return [np.asarray(x)]
+
+
+def _unobserved(history: np.ndarray) -> bool:
+  return bool(history.size) and bool((history.max(axis=-1) <= 0).any())
 
 
 def calibrated_scales(fp8_state, observed_state):

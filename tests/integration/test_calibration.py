@@ -12,6 +12,7 @@ from fp8jax import dot, scaling
 from fp8jax.config import load_config
 from fp8jax.train.calibration import any_unobserved as _any_unobserved
 from fp8jax.train.loop import Trainer
+from numerics import fresh_seed
 
 TINY = "configs/tiny.yaml"
 E4M3, E5M2 = fp8jax.O1.recipe.fwd_format, fp8jax.O1.recipe.bwd_format
@@ -163,3 +164,19 @@ def test_bad_calibrate_value_names_the_key():
     load_config(TINY, ["fp8.calibrate=sometimes"])
   with pytest.raises(ValueError, match=r"Recipe\.calibrated"):
     fp8jax.Recipe(calibrated="yes")
+
+
+def test_unobserved_state_found_on_any_device():
+  """A stacked FP8 state split over devices by layer (pipeline stages): a never-observed layer
+  on the second device counts, as on the first."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = jax.make_mesh((2,), ("pipe",), devices=jax.devices()[:2])
+  rng = np.random.default_rng(fresh_seed("unobserved shards"))
+  history = rng.uniform(0.5, 2.0, (4, 16)).astype(np.float32)  # 4 layers, 2 per device
+  put = lambda h: jax.device_put(h, NamedSharding(mesh, P("pipe")))
+  meta = lambda h: {"layers": scaling.Fp8Meta(put(np.ones((4,), np.float32)), put(h))}
+  assert not _any_unobserved(meta(history))
+  for layer in (0, 3):
+    fresh = history.copy()
+    fresh[layer] = 0.0
+    assert _any_unobserved(meta(fresh)), layer
