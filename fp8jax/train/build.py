@@ -401,15 +401,16 @@ def matrix_dtype(config) -> str | None:
   return config.model.dtype if config.model.builder is None else None
 
 
-def eval_step(config, plan: ZeroPlan, model) -> EvalStep:
+def eval_step(config, plan: ZeroPlan, model, name: str = "eval_step") -> EvalStep:
   """The run's evaluation step on the train step's memory plan
   (``fp8jax.train.evaluation.build_eval_step``): up to ``train.microbatches`` microbatches of
-  ``train.microbatch_size`` sequences per call, `model` applied as the step applies it."""
+  ``train.microbatch_size`` sequences per call, `model` applied as the step applies it;
+  `name`: the program's name."""
   t = config.train
   return build_eval_step(model.apply, plan, t.microbatches, t.microbatch_size,
                          balanced=config.parallel.device_map is not None,
                          pipeline=pipeline_loop(config, plan, model),
-                         matrix_dtype=matrix_dtype(config))
+                         matrix_dtype=matrix_dtype(config), name=name)
 
 
 def fp8_probe(config, plan: ZeroPlan, model, health: bool) -> Probe:

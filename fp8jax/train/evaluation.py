@@ -106,16 +106,18 @@ class EvalStep(NamedTuple):
 
 def build_eval_step(apply_fn: Callable, plan: ZeroPlan, microbatches: int,
                     microbatch_size: int, *, balanced: bool = False,
-                    pipeline: PipelineLoop | None = None, matrix_dtype=None) -> EvalStep:
+                    pipeline: PipelineLoop | None = None, matrix_dtype=None,
+                    name: str = "eval_step") -> EvalStep:
   """The :class:`EvalStep` of the train step's plan: up to `microbatches` microbatches of
   `microbatch_size` sequences per call in a batch placed as the step's
   (:func:`batch_sharding`; `balanced`: a balanced run), parameters and FP8 state in the
-  plan's shardings."""
+  plan's shardings. `name`: the jitted program's name (compile logs, profiles)."""
   sharding, scalar = batch_sharding(plan, balanced), layout.replicated(plan.mesh)
   step = make_eval_loop(apply_fn, microbatches,
                         weight_gather=None if pipeline else plan.weight_gather(),
                         pipeline=pipeline and pipeline.with_plan(plan),
                         matrix_dtype=matrix_dtype)
+  step.__name__ = step.__qualname__ = name
   jitted = jax.jit(step, in_shardings=(plan.state.params, plan.state.fp8, sharding, scalar),
                    out_shardings=(scalar, scalar),
                    compiler_options=plan.compiler_options or None)

@@ -7,43 +7,30 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Callable
 
 import jax
-import jax.numpy as jnp
-
-from fp8jax.train.state import TrainState
-from fp8jax.train.loss import batch_loss
-from fp8jax.train.step import scan_microbatches
 
 logger = logging.getLogger("fp8jax")
 
 
 class Bf16Loss:
-  """``(params, batch int32[n m, T+1]) -> mean loss`` of `model` (a BF16 model: no FP8
-  state) with `params` as a ``TrainState`` holds them (FP16 master weights are decoded inside
-  the program, GEMM weights to `matrix_dtype` when given, as the train step reads them) over the
-  batch's n microbatches of `microbatch_size` sequences, averaged as the train step averages
-  its loss (the step's microbatch loop, :func:`fp8jax.train.step.scan_microbatches`, without
-  gradients); one jitted program per n."""
+  """``(state, batch int32[n m, T+1]) -> mean loss`` of the run's model with BF16 GEMMs on
+  `state`'s parameters, over the batch's n microbatches of the train step's size (numpy, the
+  same on every process; n at most the step's count), averaged as the train step averages its
+  loss.
 
-  def __init__(self, model, microbatch_size: int, matrix_dtype=None):
-    self.model, self.microbatch_size = model, microbatch_size
-    self.matrix_dtype = matrix_dtype
-    self._jitted: dict[int, Callable] = {}
+  Args:
+    eval_step: the BF16 model's evaluation step (``fp8jax.train.evaluation.EvalStep``, made by
+      ``fp8jax.train.build.eval_step``): the train step's memory plan (microbatches, ZeRO-3
+      gathers, shardings, pipeline stages), so the loss needs no more memory than the step.
+  """
 
-  def __call__(self, params, batch) -> jax.Array:
-    n = batch.shape[0] // self.microbatch_size
-    if n not in self._jitted:
-      apply, matrix_dtype = self.model.apply, self.matrix_dtype
+  def __init__(self, eval_step):
+    self.eval_step = eval_step
 
-      def bf16_loss(params, batch):
-        params = TrainState(jnp.zeros((), jnp.int32), params, {}, ()).model_params(matrix_dtype)
-        # The loop's "gradients" are an empty tree: it sums and averages the losses alone.
-        loss_only = lambda none, part: (batch_loss(apply, {"params": params}, part), none)
-        return scan_microbatches(loss_only, {"params": {}}, batch, n)[0]
-      self._jitted[n] = jax.jit(bf16_loss)
-    return self._jitted[n](params, batch)
+  def __call__(self, state, batch) -> jax.Array:
+    loss_sum, tokens = self.eval_step(state, batch)
+    return loss_sum / tokens
 
 
 def record_fallback(reason: str, step: int, run_dir: str, writer) -> None:

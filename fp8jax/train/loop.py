@@ -103,8 +103,8 @@ class Trainer:
     self.fallback_reason: str | None = None
     # (step, metrics) of the steps whose skip flags and losses the guards have not read yet
     self._unchecked_metrics: list[tuple[int, dict]] = []
-    self._bf16_loss = Bf16Loss(self.run_model.for_recipe(None), t.microbatch_size,
-                               build.matrix_dtype(config))
+    self._bf16_loss = Bf16Loss(build.eval_step(config, self.plan,
+                                               self.run_model.for_recipe(None), "bf16_loss"))
     self.writer: metrics_lib.MetricWriter | metrics_lib.NullWriter = metrics_lib.NullWriter()
 
   def _build_programs(self, recipe, calibrate: bool) -> None:
@@ -256,7 +256,7 @@ class Trainer:
     self._phase = oom.WATCHDOG
     if not (self.watchdog.due(step) or self._loss_gap_due(step)):
       return None
-    return self._bf16_loss(self.state.params, self._put_eval(batch))
+    return self._bf16_loss(self.state, batch)
 
   def _train_step(self, step: int, batch, heartbeat) -> dict:
     """Runs optimizer step `step` on `batch` (dispatched: nothing is read back), reports
@@ -482,13 +482,6 @@ class Trainer:
     split = ", ".join(f"{k}: {c}" for k, c in zip(kinds, counts))
     return (f"balanced microbatches of {self.config.train.microbatch_size} sequences per "
             f"device ({microbatches} per step): {split}{gain}")
-
-  def _put_eval(self, batch):
-    """An evaluation batch: sharded over the batch axes (uniform runs) or replicated
-    (balanced runs: its size need not divide by the groups)."""
-    if self.group_seconds is not None:
-      return layout.put_global(batch, layout.replicated(self.plan.mesh))
-    return self.plan.shard_batch(batch)
 
   # ------------------------------------------------------------------ fault tolerance
 

@@ -64,10 +64,10 @@ def test_trainer_skips_nan_steps_reloads_after_k_and_falls_back_to_bf16(tmp_path
     b = plain_next(step)
     return _poison(b, vocab) if step in (2, 3) else b
 
-  def bf16_loss(params, batch):  # called before the step: the state holds the steps done
-    step = int(trainer.state.step)
+  def bf16_loss(state, batch):  # called before the step: the state holds the steps done
+    step = int(state.step)
     checks.append(step)
-    return plain_bf16(params, batch) * (1.10 if step >= 6 else 1.0)
+    return plain_bf16(state, batch) * (1.10 if step >= 6 else 1.0)
 
   trainer.next_batch, trainer._bf16_loss = next_batch, bf16_loss
   with caplog.at_level("WARNING", logger="fp8jax"):
@@ -97,25 +97,27 @@ def test_trainer_skips_nan_steps_reloads_after_k_and_falls_back_to_bf16(tmp_path
   assert resumed.skips.total == 2
 
 
-def test_bf16_loss_is_the_mean_over_the_batchs_microbatches(key):
-  """The watchdog's BF16 loss of a batch of 3 microbatches is the whole batch's mean loss
-  (equal microbatches: the mean of their means), not one microbatch's nor their sum."""
-  from fp8jax.models import GPT, ModelConfig, init_model
-  from fp8jax.train.fallback import Bf16Loss
-  cfg = ModelConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_seq_len=8, dtype="float32")
-  k1, k2 = jax.random.split(key)
-  params = init_model(cfg, None, k1, 2, 8)["params"]
-  batch = jax.random.randint(k2, (6, 9), 0, 256)
-  model = GPT(cfg, None)
-  logits = model.apply({"params": params}, batch[:, :-1])
+def test_bf16_loss_is_the_mean_over_the_batchs_microbatches(tmp_path):
+  """The watchdog's BF16 loss of a batch of 3 microbatches (the BF16 model's evaluation step
+  on the train step's plan, 8 devices) is the whole batch's mean loss of the model with BF16
+  GEMMs (f32 here): not one microbatch's, nor their sum, nor the FP8 model's."""
+  cfg = load_config("configs/tiny.yaml", [
+      "train.opt_level=O1", "model.dtype=float32", "model.n_layers=1", "model.d_model=32",
+      "model.n_heads=2", "model.d_ff=64", "data.seq_len=16", "model.max_seq_len=16",
+      "train.batch_size=24", "train.microbatches=3", f"runtime.run_dir={tmp_path}"])
+  trainer = Trainer(cfg, progress=False)
+  batch = trainer.next_batch(0)
+  got = float(trainer._bf16_loss(trainer.state, batch))
+  model, params = trainer.run_model.for_recipe(None), trainer.state.model_params()
+  logits = model.apply({"params": params}, jnp.asarray(batch[:, :-1]))
   per_seq = -jax.vmap(lambda lg, t: jnp.mean(jnp.take_along_axis(
-      jax.nn.log_softmax(lg), t[:, None], axis=-1)))(logits, batch[:, 1:])
-  parts = np.asarray(per_seq, np.float64).reshape(3, 2).mean(axis=1)
-  got = float(Bf16Loss(model, microbatch_size=2)(params, batch))
-  # f32 throughout: only summation order differs from the float64 mean (~1e-7 relative);
-  # the microbatches' losses differ by ~0.5 nats, so one part alone or their sum fails.
+      jax.nn.log_softmax(lg), t[:, None], axis=-1)))(logits, jnp.asarray(batch[:, 1:]))
+  parts = np.asarray(per_seq, np.float64).reshape(3, 8).mean(axis=1)
+  # f32 throughout: only summation order differs from the float64 mean (~1e-7 relative)
   assert abs(got - parts.mean()) < 1e-5 * parts.mean(), (got, parts)
-  assert np.ptp(parts) > 1e-3, parts
+  assert np.ptp(parts) > 1e-3, parts  # one microbatch alone or their sum would fail
+  fp8 = trainer.calibration.model.apply(trainer.state.variables(), jnp.asarray(batch[:, :-1]))
+  assert np.abs(np.asarray(fp8) - np.asarray(logits)).max() > 1e-3  # the FP8 model differs
 
 
 def test_skip_counter_asks_for_a_reload_after_k_in_a_row():

@@ -43,11 +43,9 @@ def phase_memory(trainer) -> dict[str, int]:
   assert trainer._calibrate is p  # one program: cast health and calibration
   out["FP8 probe"] = _own(p.jitted.lower(state.params, state.fp8, p.place(batch)).compile(),
                           (state.params, state.fp8))
-  n = batch.shape[0] // t.microbatch_size
-  trainer._bf16_loss(state.params, trainer._put_eval(batch))
-  bf16 = trainer._bf16_loss._jitted[n]
-  out["divergence check"] = _own(bf16.lower(state.params, trainer._put_eval(batch)).compile(),
-                                 state.params)
+  b = trainer._bf16_loss.eval_step  # the BF16 loss of the watchdog and fp8/loss_gap
+  out["divergence check"] = _own(b.jitted.lower(state.params, state.fp8, *b.place(batch))
+                                 .compile(), (state.params, state.fp8))
   return out
 
 
