@@ -148,7 +148,8 @@ def test_trainer_calibrates_before_the_first_step_with_the_same_losses(tmp_path,
   if k == 1:
     assert losses["always"][0] == losses["never"][0]  # the same first step
   else:
-    assert losses["always"][0] == pytest.approx(losses["never"][0], rel=1e-4)
+    # (the second microbatch casts with the first's scales: FP8 rounding of one microbatch)
+    assert losses["always"][0] == pytest.approx(losses["never"][0], rel=2e-4)
 
 
 def test_auto_calibrates_only_with_native_fp8_gemms():

@@ -14,7 +14,9 @@ from fp8jax.dot import SAVE_FP8_WEIGHTS
 from fp8jax.models import GPT, ModelConfig, init_model
 from fp8jax.train import batch_loss
 
-CFG = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=16, remat=True)
+# fp8_head: the LM head's FP8 GEMM is the one outside the layer scan
+CFG = ModelConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_seq_len=16, remat=True,
+                  fp8_head=True)
 RECIPE = fp8jax.O1.recipe
 B, T = 2, 8  # activations are [16, D] / [16, F]: no weight has 16 rows
 # Each GEMM's weight as cast ([K, N]): qkv, attn out, fc_in, fc_out (per layer), head.
@@ -170,7 +172,7 @@ def test_cast_once_trainer_is_bit_identical(tmp_path, monkeypatch, level, zero_s
   for once in (False, True):
     cfg = config_from_dict({
         "model": {"d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64, "max_seq_len": 16,
-                  "remat": True},
+                  "remat": True, "fp8_head": True},
         "data": {"seq_len": 16, "max_bytes": 200_000},
         "train": {"steps": 3, "batch_size": 16, "microbatches": 2, "warmup_steps": 1,
                   "eval_every": 0, "opt_level": level},

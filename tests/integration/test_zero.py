@@ -118,9 +118,9 @@ def test_stage_layouts(runs):
 
 
 def test_stage3_gathers_kernels_as_one_byte_payloads(runs):
-  """Every all-gather of a kernel (one layer's, as its GEMM multiplies it: [contraction,
-  output]) moves u8, the E4M3 bits; stage 1 gathers updated parameters, never a 1-byte
-  payload."""
+  """Every all-gather of an FP8 GEMM's kernel (one layer's, as its GEMM multiplies it:
+  [contraction, output]) moves u8, the E4M3 bits, and the BF16 LM head's its bf16 bits (u16);
+  stage 1 gathers updated parameters, never a 1-byte payload."""
   hlo = runs[(3, True)][3]
   gathers = re.findall(r"= (\w+)\[([\d,]*)\][^ ]* all-gather\(", hlo)
   d, f, v = TINY.d_model, TINY.d_ff, TINY.vocab_size
@@ -130,6 +130,7 @@ def test_stage3_gathers_kernels_as_one_byte_payloads(runs):
     by_shape.setdefault(tuple(int(x) for x in dims.split(",") if x), set()).add(dtype)
   kernel_gathers = {shape: d for shape, d in by_shape.items() if shape in kernels}
   assert set(kernel_gathers) == kernels, by_shape
+  assert kernel_gathers.pop((d, v)) == {"u16"}  # the head: a BF16 GEMM
   assert all(d == {"u8"} for d in kernel_gathers.values()), kernel_gathers  # E4M3 bits
   assert "u8[" not in " ".join(d for d, _ in re.findall(
       r"= (\w+)\[([\d,]*)\][^ ]* all-gather\(", runs[(1, False)][3]))

@@ -95,7 +95,7 @@ def test_calibration_records_the_operands_amaxes_without_a_backward_pass(fixture
   is max |RMSNorm(embedding)| computed here in float64, every batch is one history entry, and
   the output-gradient states stay unobserved: no backward pass ran."""
   cfg, params, ids, _ = fixture
-  model = Llama(cfg.replace(dtype="bfloat16"), Recipe())
+  model = Llama(cfg.replace(dtype="bfloat16", fp8_head=True), Recipe())
   fp8 = init_fp8_state(model, jax.ShapeDtypeStruct(ids.shape, jnp.int32))
   metas = jax.tree.leaves(fp8, is_leaf=lambda x: isinstance(x, Fp8Meta))
   assert metas and all(isinstance(m, Fp8Meta) for m in metas)
