@@ -145,7 +145,9 @@ class Trainer:
   # ------------------------------------------------------------------ the loop
 
   def run(self) -> dict:
-    """Trains for config.train.steps steps; returns the final metrics.
+    """Trains for config.train.steps steps; returns the final metrics (with
+    ``first_step_s``: seconds from the Trainer's construction to the end of the run's first
+    step, also printed).
 
     Out of device memory in any phase raises :class:`fp8jax.train.oom.OutOfMemory` (the
     phase, what it asked for, what to change); with checkpointing on, the run's last good
