@@ -142,6 +142,7 @@ class ModelConfig:
       layers.check_bool("ModelConfig", name, getattr(self, name))
     for name in ("scan_layers", "fuse_gelu_into_fp8_cast"):
       layers.check_bool_or_auto("ModelConfig", name, getattr(self, name))
+    layers.check_fp8_head("ModelConfig", self)
     if self.fuse_gelu_into_fp8_cast != layers.AUTO and self.fuse_gelu_into_fp8_cast \
         and self.mlp != "gelu":
       raise ValueError(f"ModelConfig.fuse_gelu_into_fp8_cast=True needs mlp='gelu', got "

@@ -104,6 +104,15 @@ def check_bool_or_auto(owner: str, name: str, value: Any) -> None:
     raise ValueError(f"{owner}.{name}={value!r} is not allowed; use True, False or {AUTO!r}")
 
 
+def check_fp8_head(owner: str, config) -> None:
+  """Raises ValueError for ``fp8_head=True`` with ``tie_embeddings=True`` (the tied head is
+  the embedding's BF16 GEMM: the switch would do nothing)."""
+  if config.fp8_head and config.tie_embeddings:
+    raise ValueError(f"{owner}.fp8_head=True has no effect with tie_embeddings=True (the tied "
+                     "LM head is the embedding's BF16 GEMM); set fp8_head False or untie the "
+                     "embeddings")
+
+
 def check_tokens(tokens, cfg, owner: str) -> None:
   """Raises ValueError for tokens that are not int[B, T] with 1 <= T <= cfg.max_seq_len."""
   if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):

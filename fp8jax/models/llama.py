@@ -169,6 +169,7 @@ class LlamaConfig:
     for name in ("remat", "remat_save_fp8_weights", "tie_embeddings", "fp8_head"):
       layers.check_bool(owner, name, getattr(self, name))
     layers.check_bool_or_auto(owner, "scan_layers", self.scan_layers)
+    layers.check_fp8_head(owner, self)
     layers.check_float(owner, "rope_theta", self.rope_theta, lambda v: v > 1, "a number > 1")
     layers.check_float(owner, "norm_eps", self.norm_eps, lambda v: 0 < v < 1,
                        "a number in (0, 1)")
