@@ -13,10 +13,12 @@ every program compiles). ``fp8jax.train.compiles.CompileLog`` records every comp
 compiles, the FP8 probe's (calibration pass and health probe: one program), the evaluation
 step's, the rest (state initialisation, small eager programs), their total, the seconds from
 the Trainer's construction to the end of its first step (what ``fp8jax train`` prints as
-"first step done") and the wall time from the Trainer's construction to the end of the run.
-``--cached``: each level runs twice more with a fresh cache folder, the second run loading
-its programs (the "cached" columns: first-step seconds, wall time and compile seconds of that
-run). ``--json PATH`` writes the rows.
+"first step done") and the wall time from the Trainer's construction to the end of the run;
+below the table, where each first step's wait went (``fp8jax.train.startup``: compiling,
+tracing, set-up, data, state, calibration, the step). ``--cached``: the cold run fills a fresh
+cache folder (as a user's first run does: the cache is on by default) and a second run loads
+its programs from it (the "cached" columns: first-step seconds, wall time and compile seconds
+of that run). ``--json PATH`` writes the rows.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 from benchmarks.common.isolated import run_isolated  # noqa: E402
+from fp8jax.train.startup import describe  # noqa: E402
 
 PROGRAMS = ("train_step", "fp8_probe", "eval_step")
 
@@ -53,6 +56,7 @@ def run_one(config: str, level: str, overrides: list[str], steps: int,
       final = Trainer(cfg, progress=False).run()
     wall = time.perf_counter() - t0
   row = {"level": level, "wall_s": wall, "first_step_s": final["first_step_s"],
+         "startup": final["startup"],
          "compile_s": log.seconds(),
          "cache_hits": sum(c.cached for c in log.compiles)}
   for name in PROGRAMS:
@@ -86,22 +90,22 @@ def main():
     return
   rows = []
   for level in a.levels.split(","):
-    row = subprocess_run(a, level, None)
+    with tempfile.TemporaryDirectory() as cache:
+      row = subprocess_run(a, level, cache if a.cached else None)  # fills the cache
+      warm = subprocess_run(a, level, cache) if a.cached and row is not None else None
     if row is None:
       continue
-    if a.cached:
-      with tempfile.TemporaryDirectory() as cache:
-        subprocess_run(a, level, cache)  # fills the cache
-        warm = subprocess_run(a, level, cache)
-      if warm is not None:
-        row.update(cached_wall_s=warm["wall_s"], cached_compile_s=warm["compile_s"],
-                   cached_hits=warm["cache_hits"], cached_first_step_s=warm["first_step_s"])
+    if warm is not None:
+      row.update(cached_wall_s=warm["wall_s"], cached_compile_s=warm["compile_s"],
+                 cached_hits=warm["cache_hits"], cached_first_step_s=warm["first_step_s"],
+                 cached_startup=warm["startup"])
     rows.append(row)
     print(f"{level}: train step {row['train_step_s']:.1f} s x{row['train_step_n']}, probe "
           f"{row['fp8_probe_s']:.1f} s x{row['fp8_probe_n']}, eval {row['eval_step_s']:.1f} s "
           f"x{row['eval_step_n']}, other {row['other_s']:.1f} s; compiles {row['compile_s']:.1f}"
           f" s of {row['wall_s']:.1f} s wall", flush=True)
-  print(f"\nconfig {a.config} {' '.join(a.set)}, {a.steps} steps, cache off")
+  print(f"\nconfig {a.config} {' '.join(a.set)}, {a.steps} steps, "
+        + ("cold: an empty cache" if a.cached else "cache off"))
   head = "| level | train step s (n) | FP8 probe s (n) | eval step s (n) | other s | compile s |" \
          " first step s | wall s |" + (
              " cached first step s | cached wall s | cached compile s |" if a.cached else "")
@@ -117,6 +121,10 @@ def main():
                f"{r.get('cached_wall_s', float('nan')):.1f} | "
                f"{r.get('cached_compile_s', float('nan')):.1f} |")
     print(line)
+  for r in rows:
+    print(f"{r['level']} first step, cold: {describe(r['startup'])}")
+    if "cached_startup" in r:
+      print(f"{r['level']} first step, cached: {describe(r['cached_startup'])}")
   if a.json:
     with open(a.json, "w") as f:
       json.dump({"config": a.config, "set": a.set, "steps": a.steps, "rows": rows}, f, indent=1)

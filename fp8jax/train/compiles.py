@@ -1,5 +1,6 @@
 """What a run compiles: JAX's persistent compilation cache (``runtime.compile_cache``) and a
-record of every XLA compile request in the process (:class:`CompileLog`).
+record of every XLA compile request in the process (:class:`CompileLog`), and the process's
+running totals of tracing, lowering and compile seconds (:func:`totals`).
 
 With the cache on, XLA's executables are written to a folder and a later process that builds
 the same program (same HLO, compile options, devices and jax version) loads it instead of
@@ -31,6 +32,9 @@ MIN_COMPILE_SECONDS = 0.5
 # JAX's compile event (one per compile request: compiled, or loaded from the cache).
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+# JAX's events of the steps before a compile: tracing to a jaxpr, lowering it to MLIR.
+TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+LOWER_EVENT = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 
 
 def _jax_cache_dir() -> str | None:
@@ -80,6 +84,58 @@ class Compile(NamedTuple):
   name: str
   seconds: float
   cached: bool
+
+
+class Totals(NamedTuple):
+  """Running totals of a process (all threads) since :func:`totals` was first called: seconds
+  tracing functions to jaxprs, lowering jaxprs to MLIR and in compile requests (compiled, or
+  loaded from the persistent cache); the number of compile requests and of cache hits."""
+
+  trace_s: float = 0.0
+  lower_s: float = 0.0
+  compile_s: float = 0.0
+  compiles: int = 0
+  cache_hits: int = 0
+
+  def __sub__(self, earlier: "Totals") -> "Totals":
+    return Totals(*(a - b for a, b in zip(self, earlier)))
+
+
+class _Counter:
+  """The one process-wide listener behind :func:`totals` (registered once, never removed)."""
+
+  def __init__(self):
+    self.lock, self.now = threading.Lock(), Totals()
+    jax.monitoring.register_event_listener(self._on_event)
+    jax.monitoring.register_event_duration_secs_listener(self._on_duration)
+
+  def _on_event(self, event: str, **kwargs) -> None:
+    if event == CACHE_HIT_EVENT:
+      with self.lock:
+        self.now = self.now._replace(cache_hits=self.now.cache_hits + 1)
+
+  def _on_duration(self, event: str, seconds: float, **kwargs) -> None:
+    with self.lock:
+      n = self.now
+      if event == TRACE_EVENT:
+        self.now = n._replace(trace_s=n.trace_s + seconds)
+      elif event == LOWER_EVENT:
+        self.now = n._replace(lower_s=n.lower_s + seconds)
+      elif event == COMPILE_EVENT:
+        self.now = n._replace(compile_s=n.compile_s + seconds, compiles=n.compiles + 1)
+
+
+_COUNTER: list[_Counter] = []
+_COUNTER_LOCK = threading.Lock()
+
+
+def totals() -> Totals:
+  """The process's :class:`Totals` now; the first call starts counting (zeros), so the
+  difference of two calls is what happened between them."""
+  with _COUNTER_LOCK:
+    if not _COUNTER:
+      _COUNTER.append(_Counter())
+  return _COUNTER[0].now
 
 
 class CompileLog:

@@ -37,7 +37,7 @@ from fp8jax.config import Config, save_config
 from fp8jax.dot import native_fp8_reason
 from fp8jax.parallel import balance, capability, layout, pipeline
 from fp8jax.parallel import device_map as device_map_lib
-from fp8jax.train import build, guards, oom
+from fp8jax.train import build, guards, oom, startup
 from fp8jax.train import metrics as metrics_lib
 from fp8jax.train.calibration import Calibration
 from fp8jax.train.compiles import use_compile_cache
@@ -47,6 +47,7 @@ from fp8jax.train.progress import ProgressBar
 from fp8jax.train.resume import (RunCheckpoints, RunRecords, check_same_data, claim_run_dir,
                                  corpus_record, records_of, saved_fallback, stopped_line)
 from fp8jax.train.state import load_params, state_init_fn
+from fp8jax.train.startup import StartupClock
 from fp8jax.train.step import TrainStep
 
 logger = logging.getLogger("fp8jax")
@@ -59,26 +60,44 @@ class Trainer:
   run in the run folder instead of refusing to mix with it (``resume.claim_run_dir``)."""
 
   def __init__(self, config: Config, progress: bool = True, overwrite: bool = False):
-    self._created = time.perf_counter()  # the first step's wait counts from here
+    self.startup = StartupClock()  # the first step's wait counts from here
+    self.progress, self.overwrite = progress, overwrite
+    with self.startup.phase(startup.SETUP):
+      self._set_up(config)
+    with self.startup.phase(startup.DATA):
+      d = self.config.data
+      vocab = getattr(self.model_config, "vocab_size", None)
+      self.data = data_lib.load_data(d.source,
+                                     val_fraction=d.val_fraction, max_bytes=d.max_bytes,
+                                     vocab_size=vocab, tokenizer=d.tokenizer,
+                                     cache_dir=d.cache_dir, progress=None if progress else False)
+      self.train_batches = self.data.batches("train", self.config.train.microbatch_size,
+                                             d.seq_len, seed=d.seed)
+    with self.startup.phase(startup.STATE):
+      self._init_state()
+    with self.startup.phase(startup.SETUP):
+      self._build_run()
+
+  def _set_up(self, config: Config) -> None:
+    """Checks the layout, opens the compilation cache, applies the ``auto`` settings, builds
+    the model and optimizer."""
     build.check_layout(config)  # before reading data or compiling anything
     # before the first compile: every program of the run is read from / written to the cache
     self.compile_cache = use_compile_cache(config.runtime.compile_cache)
     self.auto = build.choose_auto(config)  # "auto" model settings for these devices
     config = self.auto.apply(config)
-    self.config, self.progress, self.overwrite = config, progress, overwrite
-    t, d = config.train, config.data
+    self.config = config
     self.level = config.level()
     self.run_model = build.run_model(config)
     self.model_config = self.run_model.model_config  # the family's config (None: a builder)
-    model, self.schedule, self.tx = build.model_and_optimizer(config, self.run_model)
-    vocab = getattr(self.model_config, "vocab_size", None)
-    self.data = data_lib.load_data(d.source,
-                                   val_fraction=d.val_fraction, max_bytes=d.max_bytes,
-                                   vocab_size=vocab, tokenizer=d.tokenizer,
-                                   cache_dir=d.cache_dir, progress=None if progress else False)
-    self.train_batches = self.data.batches("train", t.microbatch_size, d.seq_len, seed=d.seed)
+    self._model, self.schedule, self.tx = build.model_and_optimizer(config, self.run_model)
+
+  def _init_state(self) -> None:
+    """Agrees on the FP8 capability, plans the ZeRO shardings and initialises the state in
+    them (with ``model.init_from``: its weights)."""
+    config, t, d = self.config, self.config.train, self.config.data
     self.capability = capability.agree(config.parallel.fp8_capability)
-    init = state_init_fn(model, self.tx, self.level, t.microbatch_size, d.seq_len, t.seed,
+    init = state_init_fn(self._model, self.tx, self.level, t.microbatch_size, d.seq_len, t.seed,
                          comm_scaling=config.parallel.grad_comm_scaling == "auto")
     self.plan = build.zero_plan(config, jax.eval_shape(init), self.run_model.tensor_rules)
     self.checkpoints = None
@@ -88,6 +107,10 @@ class Trainer:
       pretrained = self.run_model.pretrained_params()
       if pretrained is not None:  # model.init_from: its weights, into the plan's shardings
         self.state = load_params(self.state, pretrained, self.level, self.plan.state.params)
+
+  def _build_run(self) -> None:
+    """The run's programs, checkpoints, guards and metric writer."""
+    config = self.config
     self.group_seconds = self._group_seconds()  # None: uniform split (no device_map)
     self._fused_update = build.fused_update_fn(config, self.schedule, self.plan)
     self._build_programs(self.level.recipe, calibrate=build.calibration_on(config))
@@ -147,20 +170,24 @@ class Trainer:
   def run(self) -> dict:
     """Trains for config.train.steps steps; returns the final metrics (with
     ``first_step_s``: seconds from the Trainer's construction to the end of the run's first
-    step, also printed).
+    step, also printed; ``startup``: where they went, ``fp8jax.train.startup.StartupClock.
+    summary``).
 
     Out of device memory in any phase raises :class:`fp8jax.train.oom.OutOfMemory` (the
     phase, what it asked for, what to change); with checkpointing on, the run's last good
     state is on disk first (after an evaluation or probe: the state of the steps done; after
     a failed step: the previous checkpoint, pending saves finished)."""
     with self._out_of_memory_diagnosed():
-      start = self._start_run()
+      with self.startup.phase(startup.RESTORE):
+        start = self._start_run()
       if start >= self.config.train.steps:
         print(f"fp8jax train: {self.run_dir} already finished {start} of "
               f"{self.config.train.steps} steps")
         return {"resumed_from": start}
-      self._open_logs(start)
-      self._warm_up_probe()
+      with self.startup.phase(startup.SETUP):
+        self._open_logs(start)
+      with self.startup.phase(startup.PROBE):
+        self._warm_up_probe()
       return self._train(start)
 
   def _train(self, start: int) -> dict:
@@ -170,11 +197,14 @@ class Trainer:
     final, window = {}, _LogWindow()
     with self._loop_context(start) as (bar, preemption, heartbeat):
       for step in range(start, self.config.train.steps):
-        batch = self.next_batch(step)
-        bf16_loss = self._watchdog_loss(step, batch)
+        with self.startup.phase(startup.DATA):
+          batch = self.next_batch(step)
+        with self.startup.phase(startup.BF16_LOSS):
+          bf16_loss = self._watchdog_loss(step, batch)
         metrics = self._train_step(step, batch, heartbeat)
         if step == start:
           final["first_step_s"] = self._first_step_seconds(metrics)
+          final["startup"] = self.startup_summary
         window.add(metrics, batch)
         due = self._due(step, preemption.requested, watchdog=bf16_loss is not None)
         if due.read_guards:
@@ -245,11 +275,12 @@ class Trainer:
       yield bar, preemption, heartbeat
 
   def _loss_gap_due(self, step: int) -> bool:
-    """Whether ``fp8/loss_gap`` is measured at step `step` (0-based): FP8 GEMMs, every
-    ``train.fp8_health_every`` steps, until a fallback to BF16."""
-    every = self.config.train.fp8_health_every
-    return (bool(every) and self.level.fp8_gemms and self.fallback_reason is None
-            and step % every == 0)
+    """Whether ``fp8/loss_gap`` is measured at step `step` (0-based): FP8 GEMMs, at the
+    steps the FP8 health probe follows (every ``train.fp8_health_every``-th step and the
+    last: a long run's first step waits for no BF16 program), until a fallback to BF16."""
+    t = self.config.train
+    return (bool(t.fp8_health_every) and self.level.fp8_gemms and self.fallback_reason is None
+            and ((step + 1) % t.fp8_health_every == 0 or step + 1 == t.steps))
 
   def _watchdog_loss(self, step: int, batch) -> Any:
     """The BF16 loss of `batch` on the state before step `step` when the divergence watchdog
@@ -310,12 +341,15 @@ class Trainer:
 
   def _first_step_seconds(self, metrics: dict) -> float:
     """Seconds from the Trainer's construction to the end of the run's first step (set-up,
-    data, compiles or cache loads, calibration, the step), printed on the primary process."""
-    jax.block_until_ready(metrics["loss"])
-    seconds = time.perf_counter() - self._created
+    data, compiles or cache loads, calibration, the step), printed on the primary process
+    with where they went (``fp8jax.train.startup``; :attr:`startup_summary`)."""
+    with self.startup.phase(startup.STEP):
+      jax.block_until_ready(metrics["loss"])
+    self.startup_summary = self.startup.stop()
     if jax.process_index() == 0:
-      print(f"fp8jax train: first step done {seconds:.1f} s after start", flush=True)
-    return seconds
+      print(f"fp8jax train: first step done {self.startup_summary['total_s']:.1f} s after "
+            f"start ({startup.describe(self.startup_summary)})", flush=True)
+    return self.startup_summary["total_s"]
 
   def _finish(self, final: dict) -> dict:
     """After the last step: waits for pending checkpoints, closes the logs, prints the final
@@ -342,10 +376,12 @@ class Trainer:
     not reach) makes the uncalibrated model's step run until every state has observed a
     tensor (a second compile)."""
     def run(state, batch):
-      state = self.calibrate(state, batch)
-      first = self.calibration.uses_first(state.fp8)
+      with self.startup.phase(startup.CALIBRATION):
+        state = self.calibrate(state, batch)
+        first = self.calibration.uses_first(state.fp8)
       self._phase = oom.STEP
-      state, metrics = self.compiled_step(microbatches, calibrated=not first)(state, batch)
+      with self.startup.phase(startup.STEP):
+        state, metrics = self.compiled_step(microbatches, calibrated=not first)(state, batch)
       self.calibration.observed(state.fp8)
       return state, metrics
     return run
