@@ -31,14 +31,38 @@ _GLOB_CHARS = frozenset("*?[")
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 
 
+def _python_entries(root: Path, excluded: frozenset) -> list[tuple[str, tuple[int, int]]]:
+  """(path relative to `root` in posix form, (device, inode) of the file) of the ``*.py``
+  files below `root` (folders named in `excluded` skipped, symlinked folders not followed,
+  unreadable folders skipped), sorted by relative path. One directory read per folder and no
+  stat per plain file."""
+  found, device = [], os.stat(root).st_dev
+  stack = [("", os.fspath(root))]
+  while stack:
+    rel, folder = stack.pop()
+    try:
+      entries = os.scandir(folder)
+    except OSError:
+      continue
+    with entries:
+      for e in entries:
+        if e.is_dir(follow_symlinks=False):
+          if e.name not in excluded:
+            stack.append((f"{rel}{e.name}/", e.path))
+        elif e.name.endswith(".py") and e.is_file():
+          if e.is_symlink():  # the file it names
+            st = os.stat(e.path)
+            found.append((rel + e.name, (st.st_dev, st.st_ino)))
+          else:
+            found.append((rel + e.name, (device, e.inode())))
+  found.sort(key=lambda f: f[0])
+  return found
+
+
 def _python_files(root: Path, excluded: frozenset) -> list[Path]:
-  """The ``*.py`` files below `root` (folders named in `excluded` skipped, symlinked folders
-  not followed), sorted by path relative to `root`."""
-  files = []
-  for folder, dirs, names in os.walk(root):
-    dirs[:] = [d for d in dirs if d not in excluded]
-    files += [Path(folder, n) for n in names if n.endswith(".py")]
-  return sorted((p for p in files if p.is_file()), key=lambda p: p.relative_to(root).as_posix())
+  """The ``*.py`` files below `root` (see :func:`_python_entries`), sorted by path relative
+  to `root`."""
+  return [root / rel for rel, _ in _python_entries(root, excluded)]
 
 
 def stdlib_files() -> list[Path]:
@@ -69,10 +93,10 @@ def site_packages_files() -> list[Path]:
   roots = site_packages_roots()
   files, seen = [], set()
   for root in roots:
-    for path in _python_files(root, frozenset({"__pycache__"})):
-      if path.resolve() not in seen:
-        seen.add(path.resolve())
-        files.append(path)
+    for rel, identity in _python_entries(root, frozenset({"__pycache__"})):
+      if identity not in seen:
+        seen.add(identity)
+        files.append(root / rel)
   if not files:
     shown = [str(r) for r in roots]
     raise FileNotFoundError(f"no files matched '*.py' under the site-packages folders {shown}")
