@@ -42,6 +42,24 @@ def test_stdlib_corpus_is_real_sorted_and_capped():
   assert b"import " in text and np.array_equal(load_data(max_bytes=300_000).tokens, corpus.tokens)
 
 
+def test_site_packages_listing_skips_links_caches_and_repeats(tmp_path, monkeypatch):
+  """Each file once (a file linked from a second folder is listed under the first), sorted
+  by relative path per folder; __pycache__, symlinked folders, broken links and non-.py
+  files left out."""
+  a, b = tmp_path / "a", tmp_path / "b"
+  for rel in ("z.py", "m/y.py", "m/n/x.py", "__pycache__/c.py", "m/notes.txt", "A.py"):
+    (a / rel).parent.mkdir(parents=True, exist_ok=True)
+    (a / rel).write_text(rel)
+  b.mkdir()
+  (b / "own.py").write_text("own")
+  (b / "linked.py").symlink_to(a / "z.py")  # the same file as a/z.py
+  (b / "folder").symlink_to(a / "m", target_is_directory=True)  # not followed
+  (b / "broken.py").symlink_to(tmp_path / "missing.py")
+  monkeypatch.setattr(data.files, "site_packages_roots", lambda: [a, b])
+  listed = [f.relative_to(tmp_path).as_posix() for f in data.site_packages_files()]
+  assert listed == ["a/A.py", "a/m/n/x.py", "a/m/y.py", "a/z.py", "b/own.py"], listed
+
+
 def test_site_packages_corpus_is_installed_source_sorted_and_capped():
   roots, files = data.site_packages_roots(), data.site_packages_files()
   assert roots and len(files) > 100 and all(f.suffix == ".py" for f in files)
