@@ -60,6 +60,22 @@ _AMAX_BITS = {np.dtype(d): u for d, u in (
     (jnp.bfloat16, jnp.uint16), (jnp.float32, jnp.uint32))}
 
 
+# The per-cast scalar updates below are written in lax: every cast of every traced program
+# runs them, and jax.numpy's functions each add a nested jit to trace.
+def _f32(x) -> jax.Array:
+  return lax.convert_element_type(x, jnp.float32)
+
+
+def _finite_positive(x: jax.Array) -> jax.Array:
+  """x is finite and > 0 (bool, x's shape)."""
+  return lax.bitwise_and(lax.is_finite(x), lax.gt(x, lax.full_like(x, 0)))
+
+
+def _reduce_max(x: jax.Array) -> jax.Array:
+  """The max over every axis of a non-empty `x` (NaN wins, as jnp.max)."""
+  return lax.reduce_max(x, tuple(range(x.ndim)))
+
+
 def compute_amax(x: jax.Array, axis_names: Sequence[str] = ()) -> jax.Array:
   """max(|x|) as f32[]: NaN if any element is NaN, 0 for an empty array; reduced with pmax
   over the named mesh axes `axis_names`. For the float types of ``_AMAX_BITS`` it is an
@@ -69,8 +85,10 @@ def compute_amax(x: jax.Array, axis_names: Sequence[str] = ()) -> jax.Array:
   if dt in _AMAX_BITS:
     utype = _AMAX_BITS[dt]
     magnitude = np.iinfo(utype).max >> 1  # all bits but the sign
-    code = jnp.max(lax.bitcast_convert_type(x, utype) & utype(magnitude), initial=0)
-    a = lax.bitcast_convert_type(code.astype(utype), x.dtype).astype(jnp.float32)
+    bits = lax.bitcast_convert_type(x, utype)
+    bits = lax.bitwise_and(bits, lax.full_like(bits, magnitude))
+    code = lax.reduce_max(bits, tuple(range(x.ndim)))  # (0, the unsigned identity, if empty)
+    a = _f32(lax.bitcast_convert_type(code, x.dtype))
   else:
     a = jnp.max(jnp.abs(x), initial=0).astype(jnp.float32)
     if jnp.issubdtype(dt, jnp.inexact):  # the float max reduction may drop NaNs
@@ -92,22 +110,27 @@ def power_of_two_at_least(x: jax.Array) -> jax.Array:
 def scale_from_amax(amax: jax.Array, prev_scale: jax.Array, fmt, margin: float = 0,
                     power_of_two: bool = False) -> jax.Array:
   """The scale mapping `amax` to fp8_max / 2**margin; `prev_scale` where amax is 0/inf/NaN."""
-  scale = amax * (2.0 ** margin / fp8_max(fmt))
+  amax = _f32(amax)
+  scale = lax.mul(amax, lax.full_like(amax, 2.0 ** margin / fp8_max(fmt)))
   if power_of_two:
     scale = power_of_two_at_least(scale)
-  usable = jnp.isfinite(amax) & (amax > 0) & jnp.isfinite(scale) & (scale > 0)
-  return jnp.where(usable, scale, prev_scale).astype(jnp.float32)
+  usable = lax.bitwise_and(_finite_positive(amax), _finite_positive(scale))
+  prev = lax.broadcast_in_dim(_f32(prev_scale), scale.shape,
+                              tuple(range(scale.ndim - jnp.ndim(prev_scale), scale.ndim)))
+  return lax.select(usable, scale, prev)
 
 
 def record_amax(history: jax.Array, amax: jax.Array) -> jax.Array:
   """History with `amax` pushed at index 0 (oldest dropped); a non-finite amax records 0."""
-  amax = jnp.where(jnp.isfinite(amax), amax, 0.0).astype(history.dtype)
-  return jnp.roll(history, 1).at[0].set(amax)
+  amax = lax.convert_element_type(amax, history.dtype)
+  amax = lax.select(lax.is_finite(amax), amax, lax.full_like(amax, 0))
+  older = lax.slice_in_dim(history, 0, history.shape[0] - 1)
+  return lax.concatenate([lax.broadcast(amax, (1,)), older], 0)
 
 
 def history_amax(history: jax.Array, recipe: Recipe) -> jax.Array:
   """The amax a scale is chosen from: max of the history, or its newest entry."""
-  return jnp.max(history) if recipe.amax_compute_algo == "max" else history[0]
+  return _reduce_max(history) if recipe.amax_compute_algo == "max" else history[0]
 
 
 def update_meta(meta: Fp8Meta, amax: jax.Array, recipe: Recipe, fmt) -> Fp8Meta:
@@ -125,15 +148,23 @@ def scale_for_cast(meta: Fp8Meta, amax: jax.Array, recipe: Recipe, fmt) -> jax.A
     return current
   if recipe.calibrated:  # no dependence on this tensor's amax: XLA fuses amax and cast
     return meta.scale
-  never_observed = jnp.max(meta.amax_history) <= 0
-  return jnp.where(never_observed, current, meta.scale)
+  history = meta.amax_history
+  never_observed = lax.le(_reduce_max(history), lax.full_like(history, 0, shape=()))
+  return lax.select(never_observed, current, _f32(meta.scale))
 
 
 def quantize(x: jax.Array, scale: jax.Array, fmt) -> jax.Array:
   """x / scale, clipped to the finite range of `fmt`, cast to `fmt` (math in f32)."""
   bound = fp8_max(fmt)
-  y = x.astype(jnp.float32) * (1.0 / scale)
-  return jnp.clip(y, -bound, bound).astype(fmt)
+  inverse = lax.div(np.float32(1), _f32(scale))
+  y = _f32(x)
+  if inverse.shape == y.shape:
+    y = lax.mul(y, inverse)
+  elif inverse.ndim == 0:
+    y = lax.mul(y, lax.broadcast(inverse, y.shape))
+  else:
+    y = y * inverse  # (numpy broadcasting)
+  return lax.convert_element_type(lax.clamp(np.float32(-bound), y, np.float32(bound)), fmt)
 
 
 def cast_health(x: jax.Array, scale: jax.Array, fmt) -> tuple[jax.Array, jax.Array]:
@@ -158,16 +189,17 @@ def keep_untouched(new: Fp8Meta, old: Fp8Meta) -> Fp8Meta:
   An updated scale is always > 0; a GEMM that did not run in the forward gets a zero
   cotangent (scale 0) for its state, which must never be written back.
   """
-  touched = new.scale > 0
-  return Fp8Meta(jnp.where(touched, new.scale, old.scale),
-                 jnp.where(touched[..., None], new.amax_history, old.amax_history))
+  touched = lax.gt(new.scale, lax.full_like(new.scale, 0))
+  rows = lax.broadcast_in_dim(touched, new.amax_history.shape, tuple(range(touched.ndim)))
+  return Fp8Meta(lax.select(touched, new.scale, old.scale),
+                 lax.select(rows, new.amax_history, old.amax_history))
 
 
 def _combine_meta(a: Fp8Meta, b: Fp8Meta) -> Fp8Meta:
   newest_a, newest_b = a.amax_history[..., 0], b.amax_history[..., 0]
-  scale = jnp.where(newest_b > newest_a, b.scale,
-                    jnp.where(newest_a > newest_b, a.scale, jnp.maximum(a.scale, b.scale)))
-  return Fp8Meta(scale, jnp.maximum(a.amax_history, b.amax_history))
+  scale = lax.select(lax.gt(newest_b, newest_a), b.scale,
+                     lax.select(lax.gt(newest_a, newest_b), a.scale, lax.max(a.scale, b.scale)))
+  return Fp8Meta(scale, lax.max(a.amax_history, b.amax_history))
 
 
 def combine_max(a, b):

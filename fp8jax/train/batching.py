@@ -24,6 +24,11 @@ class TrainStep(NamedTuple):
   def __call__(self, state, batch):
     return self.jitted(state, *self.place(batch))
 
+  def lower(self, state, batch):
+    """The step's program for these arguments, lowered (``jax.stages.Lowered``): compiling
+    it compiles what :meth:`__call__` runs on arguments of the same shapes."""
+    return self.jitted.lower(state, *self.place(batch))
+
 
 def microbatch_count(batch, microbatches: int, microbatch_size: int | None,
                       dynamic: bool) -> int:

@@ -1,6 +1,7 @@
 """What a run compiles: JAX's persistent compilation cache (``runtime.compile_cache``) and a
-record of every XLA compile request in the process (:class:`CompileLog`), and the process's
-running totals of tracing, lowering and compile seconds (:func:`totals`).
+record of every XLA compile request in the process (:class:`CompileLog`), the process's
+running totals of tracing, lowering and compile seconds (:func:`totals`), and compiling a
+run's first programs while the next one is traced (:func:`compile_ahead`).
 
 With the cache on, XLA's executables are written to a folder and a later process that builds
 the same program (same HLO, compile options, devices and jax version) loads it instead of
@@ -11,10 +12,11 @@ processes that write without it); delete it to reclaim the space.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import threading
-from typing import NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
@@ -79,11 +81,13 @@ def use_compile_cache(setting: str | bool) -> str | None:
 
 class Compile(NamedTuple):
   """One XLA compile request: `name` as jax names the program (``"jit(train_step)"``),
-  `seconds` it took, `cached`: loaded from the persistent cache instead of compiled."""
+  `seconds` it took, `cached`: loaded from the persistent cache instead of compiled, `thread`:
+  the name of the thread that asked."""
 
   name: str
   seconds: float
   cached: bool
+  thread: str = ""
 
 
 class Totals(NamedTuple):
@@ -154,7 +158,8 @@ class CompileLog:
     if event == COMPILE_EVENT:
       cached = getattr(self._hit, "value", False)
       self._hit.value = False
-      self.compiles.append(Compile(str(kwargs.get("fun_name", "?")), seconds, cached))
+      self.compiles.append(Compile(str(kwargs.get("fun_name", "?")), seconds, cached,
+                                   threading.current_thread().name))
 
   def __enter__(self) -> "CompileLog":
     jax.monitoring.register_event_listener(self._on_event)
@@ -172,3 +177,37 @@ class CompileLog:
   def seconds(self, name: str | None = None) -> float:
     """Seconds spent in compile requests (of ``jit(<name>)`` only, when given)."""
     return sum(c.seconds for c in (self.compiles if name is None else self.of(name)))
+
+
+# The thread compile_ahead compiles in.
+COMPILE_THREAD = "fp8jax-compile"
+
+
+def compile_ahead(lowerings: Iterable[Callable[[], object]]) -> int:
+  """Traces and lowers each program of `lowerings` in order in this thread (each a
+  ``() -> jax.stages.Lowered``, e.g. ``lambda: jitted.lower(*args)``) and compiles it (or
+  loads it from the persistent cache) in one worker thread while the next is traced; returns
+  when all are done, with the number that compiled.
+
+  A later call of the same jitted function with arguments of the same shapes, dtypes and
+  shardings runs the compiled program without compiling again. Best effort: a program whose
+  tracing, lowering or compile fails is skipped (logged at debug level), so its error comes
+  from the call that runs it, as without this function. Compiles never overlap one another
+  (XLA's GPU autotuning times kernels on the device)."""
+  done = 0
+  with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=COMPILE_THREAD) as pool:
+    futures = []
+    for lower in lowerings:
+      try:
+        lowered = lower()
+      except Exception as error:  # noqa: BLE001 (raised again by the call that runs it)
+        logger.debug("fp8jax: not compiled ahead: %s", error)
+        continue
+      futures.append(pool.submit(lowered.compile))
+    for future in futures:
+      try:
+        future.result()
+        done += 1
+      except Exception as error:  # noqa: BLE001 (raised again by the call that runs it)
+        logger.debug("fp8jax: not compiled ahead: %s", error)
+  return done

@@ -103,6 +103,10 @@ class EvalStep(NamedTuple):
     """(loss_sum, tokens) of `microbatches` (at most :attr:`microbatches`) under `state`."""
     return self.jitted(state.params, state.fp8, *self.place(microbatches))
 
+  def lower(self, state, microbatches):
+    """The program :meth:`__call__` runs on these arguments, lowered (``jax.stages.Lowered``)."""
+    return self.jitted.lower(state.params, state.fp8, *self.place(microbatches))
+
 
 def build_eval_step(apply_fn: Callable, plan: ZeroPlan, microbatches: int,
                     microbatch_size: int, *, balanced: bool = False,
@@ -144,6 +148,10 @@ class Probe(NamedTuple):
     """(health {name: f32[]}, FP8 state with calibrated scales) of `batch`'s first
     microbatch."""
     return self.jitted(state.params, state.fp8, self.place(batch))
+
+  def lower(self, state, batch):
+    """The program :meth:`__call__` runs on these arguments, lowered (``jax.stages.Lowered``)."""
+    return self.jitted.lower(state.params, state.fp8, self.place(batch))
 
 
 def fp8_updates(apply_fn: Callable, variables: dict, batch: jax.Array) -> dict:

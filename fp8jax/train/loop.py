@@ -37,7 +37,7 @@ from fp8jax.config import Config, save_config
 from fp8jax.dot import native_fp8_reason
 from fp8jax.parallel import balance, capability, layout, pipeline
 from fp8jax.parallel import device_map as device_map_lib
-from fp8jax.train import build, guards, oom, startup
+from fp8jax.train import build, compiles, guards, oom, startup
 from fp8jax.train import metrics as metrics_lib
 from fp8jax.train.calibration import Calibration
 from fp8jax.train.compiles import use_compile_cache
@@ -186,6 +186,7 @@ class Trainer:
         return {"resumed_from": start}
       with self.startup.phase(startup.SETUP):
         self._open_logs(start)
+      self._compile_first_programs(start)
       with self.startup.phase(startup.PROBE):
         self._warm_up_probe()
       return self._train(start)
@@ -249,6 +250,26 @@ class Trainer:
     self.writer = metrics_lib.MetricWriter(self.run_dir) if primary else metrics_lib.NullWriter()
     self._print_start(start, primary)
     self._note_absent_metrics(start, primary)
+
+  def _compile_first_programs(self, start: int) -> None:
+    """Compiles (or loads from the cache) the programs step `start` runs first, each while
+    the next is traced (``compiles.compile_ahead``): the FP8 probe when a calibration pass
+    or the health probe's warm-up runs it, the BF16 loss when due, and the train step of the
+    model that step will run. A program that fails here compiles again, and fails, where it
+    runs."""
+    t = self.config.train
+    k = self.config.microbatches_at(start)
+    batch = np.zeros((k * t.microbatch_size, self.config.data.seq_len + 1), np.int32)
+    state, fp8 = self.state, self.state.fp8
+    passing = self._calibrate is not None and self.calibration.wants_pass(fp8)
+    programs = []
+    if self._probe is not None and (passing or self.health_on):
+      programs.append(lambda: self._probe.lower(state, batch))
+    if self.watchdog.due(start) or self._loss_gap_due(start):
+      programs.append(lambda: self._bf16_loss.eval_step.lower(state, batch))
+    calibrated = passing or not self.calibration.uses_first(fp8)
+    programs.append(lambda: self.compiled_step(k, calibrated=calibrated).lower(state, batch))
+    compiles.compile_ahead(programs)
 
   def _warm_up_probe(self) -> None:
     """Runs the FP8 health probe once before any timed log window, so that its compile is

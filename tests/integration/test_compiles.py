@@ -1,5 +1,6 @@
 """A run compiles its train step once (the FP8 calibration is a probe pass, not a second
-step program; with pipeline stages too), and a second run of the same config loads its programs from the persistent
+step program; with pipeline stages too), its first programs in the compile thread while the
+next is traced, and a second run of the same config loads its programs from the persistent
 compilation cache (``runtime.compile_cache``)."""
 import time
 
@@ -60,6 +61,8 @@ def test_one_train_step_compile_per_run_and_a_second_run_hits_the_cache(tmp_path
   for name in ("train_step", "fp8_probe", "eval_step"):  # (calibration + health: one probe)
     assert len(first.of(name)) == 1, (name, first.compiles)
   assert not any(c.cached for c in first.of("train_step"))
+  for name in ("train_step", "fp8_probe"):  # compiled ahead, while the next was traced
+    assert first.of(name)[0].thread.startswith(compiles.COMPILE_THREAD), first.compiles
   second = _run(cfg)
   for name in ("train_step", "fp8_probe", "eval_step"):
     assert [c.cached for c in second.of(name)] == [True], (name, second.compiles)
