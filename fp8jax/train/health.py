@@ -14,11 +14,14 @@ step's microbatch. Through pipeline stages the taps ride in the stacked and shar
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import jax
 import jax.numpy as jnp
 
 from fp8jax.linen import FP8_COLLECTION, PERTURBATIONS, apply_fp8_updates
 from fp8jax.recipe import Recipe
+from fp8jax.scaling import Fp8Meta
 from fp8jax.train.loss import cross_entropy
 
 ROLES = ("input", "kernel", "output_grad")
@@ -28,10 +31,32 @@ _TAPS = {"forward_health": ("input", "kernel"), "output_grad_health": ("output_g
 def taps(model, variables: dict, tokens) -> dict:
   """The zero taps of `model`'s FP8 GEMMs on `tokens` int[B, T] (the ``perturbations``
   collection: {"forward_health": f32[4], "output_grad_health": f32[2]} per GEMM, stacked
-  [L, ...] under a layer scan); {} without FP8 GEMMs. Shapes only: no model runs."""
+  [L, ...] under a layer scan); {} without FP8 GEMMs. No model runs: with an FP8 collection
+  in `variables`, one pair beside each GEMM's FP8 state (where ``fp8jax.linen`` creates
+  them, with the state's stacked axes); without one, from an abstract forward pass."""
+  fp8 = variables.get(FP8_COLLECTION)
+  if fp8:
+    return _taps_beside(fp8)
   shapes = jax.eval_shape(
       lambda v: model.apply(v, tokens, mutable=[PERTURBATIONS])[1], variables)
   return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes.get(PERTURBATIONS, {}))
+
+
+def _taps_beside(fp8: Mapping) -> dict:
+  """The taps of the FP8 collection `fp8` (nested mappings; a GEMM's state is a mapping
+  with an Fp8Meta "input")."""
+  meta = fp8.get("input")
+  if isinstance(meta, Fp8Meta):
+    lead = jnp.shape(meta.scale)
+    return {"forward_health": jnp.zeros(lead + (4,), jnp.float32),
+            "output_grad_health": jnp.zeros(lead + (2,), jnp.float32)}
+  out = {}
+  for key, value in fp8.items():
+    if isinstance(value, Mapping):
+      inner = _taps_beside(value)
+      if inner:
+        out[key] = inner
+  return out
 
 
 def health_from_taps(tap_grads) -> dict:

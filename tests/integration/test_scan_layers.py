@@ -144,3 +144,31 @@ def test_scan_layers_config():
     load_config("configs/tiny.yaml", ["model.scan_layers=sometimes"])
   with pytest.raises(ValueError, match=r"ModelConfig.scan_layers=1 is not allowed"):
     CFG.replace(scan_layers=1)
+
+
+@pytest.mark.parametrize("family,scan", [("gpt", True), ("gpt", False), ("llama", True)])
+def test_probe_taps_sit_beside_each_gemms_fp8_state(family, scan, key):
+  """The probe's zero taps, built from the FP8 state, are the ones the model's apply creates
+  (same paths, shapes and dtypes; stacked under the scan), with and without the head in FP8."""
+  from fp8jax.linen import PERTURBATIONS
+  from fp8jax.models import llama
+  from fp8jax.train import health
+  counts = []  # taps per model (the layers' are stacked, unrolled or not)
+  for fp8_head in (False, True):
+    if family == "gpt":
+      cfg = CFG.replace(scan_layers=scan, fp8_head=fp8_head, tie_embeddings=False)
+      model, init = GPT(cfg, fp8jax.Recipe()), init_model
+    else:
+      cfg = llama.LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                              d_ff=48, max_seq_len=T, fp8_head=fp8_head)
+      model, init = llama.Llama(cfg, fp8jax.Recipe()), llama.init_model
+    variables = init(cfg, fp8jax.Recipe(), key, B, T)
+    tokens = jnp.zeros((B, T), jnp.int32)
+    made = jax.eval_shape(lambda v: model.apply(v, tokens, mutable=[PERTURBATIONS])[1],
+                          variables)[PERTURBATIONS]
+    built = health.taps(model, variables, tokens)
+    assert jax.tree.structure(built) == jax.tree.structure(made), fp8_head
+    assert [(x.shape, x.dtype) for x in jax.tree.leaves(built)] == \
+        [(x.shape, x.dtype) for x in jax.tree.leaves(made)]
+    counts.append(len(jax.tree.leaves(built)))
+  assert counts[0] >= 2 * 4 and counts[1] == counts[0] + 2, counts  # (+ the FP8 head's pair)
