@@ -129,17 +129,18 @@ class _Counter:
         self.now = n._replace(compile_s=n.compile_s + seconds, compiles=n.compiles + 1)
 
 
-_COUNTER: list[_Counter] = []
+_COUNTER: _Counter | None = None
 _COUNTER_LOCK = threading.Lock()
 
 
 def totals() -> Totals:
   """The process's :class:`Totals` now; the first call starts counting (zeros), so the
   difference of two calls is what happened between them."""
+  global _COUNTER
   with _COUNTER_LOCK:
-    if not _COUNTER:
-      _COUNTER.append(_Counter())
-  return _COUNTER[0].now
+    if _COUNTER is None:
+      _COUNTER = _Counter()
+    return _COUNTER.now
 
 
 class CompileLog:

@@ -10,19 +10,26 @@ from fp8jax.train import compiles, startup
 from fp8jax.train.startup import StartupClock
 
 
+def _big(a):
+  for i in range(150):  # a program that takes a while to trace and compile
+    a = jnp.tanh(a @ a.T * (1.0 + i)) + jnp.roll(a, i, axis=0)
+  return a
+
+
 def test_a_phase_counts_its_own_time_not_the_compiles_inside_it():
   clock = StartupClock()
   x = np.random.default_rng(0).normal(size=(64, 64)).astype(np.float32)
+  t = time.perf_counter()
   with clock.phase(startup.DATA):
     time.sleep(0.2)
-    t = time.perf_counter()
-    jax.jit(lambda a: jnp.tanh(a @ a.T) + a).lower(x).compile()  # a fresh program
-    compile_wall = time.perf_counter() - t
+    jax.jit(_big).lower(x).compile()
   with clock.phase(startup.DATA):  # spans of one name add up
     time.sleep(0.1)
+  wall = time.perf_counter() - t
   s = clock.stop()
-  assert s["programs"] >= 1 and s["compiling_s"] > 0 and s["tracing_s"] > 0
-  assert 0.3 <= s["data_s"] < 0.3 + compile_wall, s  # the compile is not the phase's
+  work = s["tracing_s"] + s["compiling_s"]
+  assert s["programs"] >= 1 and s["compiling_s"] > 0 and work > 0.1, s
+  assert 0.3 <= s["data_s"] <= wall - 0.9 * work, s  # the compile is not the phase's
   assert s["total_s"] >= s["data_s"] + s["compiling_s"]
   with clock.phase(startup.STEP):  # after stop: not timed, the summary stays
     time.sleep(0.01)
