@@ -66,9 +66,14 @@ def _f32(x) -> jax.Array:
   return lax.convert_element_type(x, jnp.float32)
 
 
+def _zero(x: jax.Array) -> np.ndarray:
+  """0 of x's dtype (a scalar the lax comparisons broadcast)."""
+  return np.zeros((), x.dtype)
+
+
 def _finite_positive(x: jax.Array) -> jax.Array:
   """x is finite and > 0 (bool, x's shape)."""
-  return lax.bitwise_and(lax.is_finite(x), lax.gt(x, lax.full_like(x, 0)))
+  return lax.bitwise_and(lax.is_finite(x), lax.gt(x, _zero(x)))
 
 
 def _reduce_max(x: jax.Array) -> jax.Array:
@@ -86,7 +91,7 @@ def compute_amax(x: jax.Array, axis_names: Sequence[str] = ()) -> jax.Array:
     utype = _AMAX_BITS[dt]
     magnitude = np.iinfo(utype).max >> 1  # all bits but the sign
     bits = lax.bitcast_convert_type(x, utype)
-    bits = lax.bitwise_and(bits, lax.full_like(bits, magnitude))
+    bits = lax.bitwise_and(bits, np.asarray(magnitude, utype))
     code = lax.reduce_max(bits, tuple(range(x.ndim)))  # (0, the unsigned identity, if empty)
     a = _f32(lax.bitcast_convert_type(code, x.dtype))
   else:
@@ -111,7 +116,7 @@ def scale_from_amax(amax: jax.Array, prev_scale: jax.Array, fmt, margin: float =
                     power_of_two: bool = False) -> jax.Array:
   """The scale mapping `amax` to fp8_max / 2**margin; `prev_scale` where amax is 0/inf/NaN."""
   amax = _f32(amax)
-  scale = lax.mul(amax, lax.full_like(amax, 2.0 ** margin / fp8_max(fmt)))
+  scale = lax.mul(amax, np.float32(2.0 ** margin / fp8_max(fmt)))
   if power_of_two:
     scale = power_of_two_at_least(scale)
   usable = lax.bitwise_and(_finite_positive(amax), _finite_positive(scale))
@@ -123,7 +128,7 @@ def scale_from_amax(amax: jax.Array, prev_scale: jax.Array, fmt, margin: float =
 def record_amax(history: jax.Array, amax: jax.Array) -> jax.Array:
   """History with `amax` pushed at index 0 (oldest dropped); a non-finite amax records 0."""
   amax = lax.convert_element_type(amax, history.dtype)
-  amax = lax.select(lax.is_finite(amax), amax, lax.full_like(amax, 0))
+  amax = lax.select(lax.is_finite(amax), amax, lax.broadcast(_zero(amax), amax.shape))
   older = lax.slice_in_dim(history, 0, history.shape[0] - 1)
   return lax.concatenate([lax.broadcast(amax, (1,)), older], 0)
 
@@ -149,7 +154,7 @@ def scale_for_cast(meta: Fp8Meta, amax: jax.Array, recipe: Recipe, fmt) -> jax.A
   if recipe.calibrated:  # no dependence on this tensor's amax: XLA fuses amax and cast
     return meta.scale
   history = meta.amax_history
-  never_observed = lax.le(_reduce_max(history), lax.full_like(history, 0, shape=()))
+  never_observed = lax.le(_reduce_max(history), _zero(history))
   return lax.select(never_observed, current, _f32(meta.scale))
 
 
@@ -189,7 +194,7 @@ def keep_untouched(new: Fp8Meta, old: Fp8Meta) -> Fp8Meta:
   An updated scale is always > 0; a GEMM that did not run in the forward gets a zero
   cotangent (scale 0) for its state, which must never be written back.
   """
-  touched = lax.gt(new.scale, lax.full_like(new.scale, 0))
+  touched = lax.gt(new.scale, _zero(new.scale))
   rows = lax.broadcast_in_dim(touched, new.amax_history.shape, tuple(range(touched.ndim)))
   return Fp8Meta(lax.select(touched, new.scale, old.scale),
                  lax.select(rows, new.amax_history, old.amax_history))
