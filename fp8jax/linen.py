@@ -134,7 +134,10 @@ _health_tap.defvjp(_health_tap_fwd, _health_tap_bwd)
 
 def forward_health(recipe, meta, lhs, rhs) -> jax.Array:
   """f32[4]: (input saturated, input flushed, kernel saturated, kernel flushed) fractions of
-  a GEMM's two forward casts with `meta`'s scales (``scaling.cast_health``)."""
+  a GEMM's two forward casts with `meta`'s scales (``scaling.cast_health``). A value only:
+  no gradient flows through it (the health tap's backward gives it a zero cotangent), so a
+  probe's autodiff traces it once, as a constant."""
+  meta, lhs, rhs = jax.lax.stop_gradient((meta, lhs, rhs))
   out = []
   for x, m in ((lhs, meta.input), (rhs, meta.kernel)):
     scale = scaling.scale_for_cast(m, scaling.compute_amax(x), recipe, recipe.fwd_format)
