@@ -4,21 +4,22 @@ steps, program by program, each level in its own process.
   python benchmarks/train/compile_time.py --config configs/gpt_125m.yaml \
       [--levels O0,O1,O2,O3] [--steps 2] [--cached] [--set key=value ...]
 
-Each level runs the Trainer (``fp8jax.train.loop.Trainer``) on the config for ``--steps``
-steps with an evaluation and an FP8 health probe at the last step (``train.eval_every`` and
-``train.fp8_health_every`` set to ``--steps``, ``train.eval_batches=1``, no checkpoints), in a
+Each level runs the Trainer (``fp8jax.train.loop.Trainer``) on the config for ``--steps`` steps
+with an evaluation and an FP8 health probe at the last step (``train.eval_every`` and
+``train.fp8_health_every`` set to ``--steps``, ``train.eval_batches=1``, no checkpoints; a
+``--set`` of these keys wins, e.g. ``train.fp8_health_every=0``: a calibration-only probe), in a
 fresh subprocess with the persistent compilation cache off (``runtime.compile_cache=false``:
-every program compiles). ``fp8jax.train.compiles.CompileLog`` records every compile request
-(``jax.monitoring``); the table gives, per level, the seconds and count of the train step's
-compiles, the FP8 probe's (calibration pass and health probe: one program), the evaluation
-step's, the rest (state initialisation, small eager programs), their total, the seconds from
-the Trainer's construction to the end of its first step (what ``fp8jax train`` prints as
-"first step done") and the wall time from the Trainer's construction to the end of the run;
-below the table, where each first step's wait went (``fp8jax.train.startup``: compiling,
-tracing, set-up, data, state, calibration, the step). ``--cached``: the cold run fills a fresh
-cache folder (as a user's first run does: the cache is on by default) and a second run loads
-its programs from it (the "cached" columns: first-step seconds, wall time and compile seconds
-of that run). ``--json PATH`` writes the rows.
+every program compiles; with ``--cached``, see below). ``fp8jax.train.compiles.CompileLog``
+records every compile request (``jax.monitoring``); the table gives, per level, the seconds and
+count of the train step's compiles, the FP8 probe's (calibration pass and health probe: one
+program), the evaluation step's, the rest (state initialisation, small eager programs), their
+total, the seconds from the Trainer's construction to the end of its first step (what ``fp8jax
+train`` prints as "first step done") and the wall time from the Trainer's construction to the
+end of the run; below the table, where each first step's wait went (``fp8jax.train.startup``:
+compiling, tracing, set-up, data, state, calibration, the step). ``--cached``: the cold run
+fills a fresh cache folder (as a user's first run does: the cache is on by default) and a second
+run loads its programs from it (the "cached" columns: first-step seconds, wall time and compile
+seconds of that run). ``--json PATH`` writes the rows.
 """
 from __future__ import annotations
 
@@ -46,10 +47,11 @@ def run_one(config: str, level: str, overrides: list[str], steps: int,
   from fp8jax.train.loop import Trainer
 
   with tempfile.TemporaryDirectory() as run_dir:
-    cfg = load_config(config, list(overrides) + [
-        f"train.opt_level={level}", f"train.steps={steps}", f"train.eval_every={steps}",
-        f"train.fp8_health_every={steps}", "train.eval_batches=1", f"train.log_every={steps}",
-        "checkpoint.checkpoint_every_n_steps=0", f"runtime.run_dir={run_dir}",
+    cfg = load_config(config, [  # --set may change these
+        f"train.steps={steps}", f"train.eval_every={steps}", f"train.fp8_health_every={steps}",
+        "train.eval_batches=1", f"train.log_every={steps}",
+        "checkpoint.checkpoint_every_n_steps=0"] + list(overrides) + [
+        f"train.opt_level={level}", f"runtime.run_dir={run_dir}",
         f"runtime.compile_cache={cache or 'false'}"])
     t0 = time.perf_counter()
     with CompileLog() as log:
