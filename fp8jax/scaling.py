@@ -72,8 +72,8 @@ def _zero(x: jax.Array) -> np.ndarray:
 
 
 def _finite_positive(x: jax.Array) -> jax.Array:
-  """x is finite and > 0 (bool, x's shape)."""
-  return lax.bitwise_and(lax.is_finite(x), lax.gt(x, _zero(x)))
+  """0 < x < inf (bool, x's shape; False for NaN)."""
+  return lax.bitwise_and(lax.gt(x, _zero(x)), lax.lt(x, np.asarray(np.inf, x.dtype)))
 
 
 def _reduce_max(x: jax.Array) -> jax.Array:
@@ -119,7 +119,9 @@ def scale_from_amax(amax: jax.Array, prev_scale: jax.Array, fmt, margin: float =
   scale = lax.mul(amax, np.float32(2.0 ** margin / fp8_max(fmt)))
   if power_of_two:
     scale = power_of_two_at_least(scale)
-  usable = lax.bitwise_and(_finite_positive(amax), _finite_positive(scale))
+  # amax * c with a finite c > 0 is finite and > 0 exactly when amax is, unless the product
+  # under- or overflows, which makes the scale unusable too: testing the scale is enough.
+  usable = _finite_positive(scale)
   prev = lax.broadcast_in_dim(_f32(prev_scale), scale.shape,
                               tuple(range(scale.ndim - jnp.ndim(prev_scale), scale.ndim)))
   return lax.select(usable, scale, prev)

@@ -48,6 +48,13 @@ def test_power_of_two_scales_round_up(key):
 def test_zero_inf_nan_amax_keep_previous_scale(bad):
   prev = jnp.float32(0.37)
   assert float(scaling.scale_from_amax(jnp.float32(bad), prev, E4M3)) == pytest.approx(0.37)
+  for p2 in (False, True):
+    assert float(scaling.scale_from_amax(jnp.float32(bad), prev, E4M3, power_of_two=p2)) == \
+        pytest.approx(0.37)
+  # a finite amax whose scale under- or overflows f32 keeps the previous scale too
+  assert float(scaling.scale_from_amax(jnp.float32(1e-44), prev, E4M3)) == pytest.approx(0.37)
+  assert float(scaling.scale_from_amax(jnp.float32(3e38), prev, E4M3, margin=12)) == \
+      pytest.approx(0.37)
   meta = fp8jax.Fp8Meta(prev, jnp.zeros(4).at[1].set(2.0))
   new = scaling.update_meta(meta, jnp.float32(bad), Recipe(amax_history_len=4), E4M3)
   assert np.isfinite(np.asarray(new.amax_history)).all()  # non-finite recorded as 0
