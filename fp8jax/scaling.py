@@ -114,7 +114,10 @@ def power_of_two_at_least(x: jax.Array) -> jax.Array:
 
 def scale_from_amax(amax: jax.Array, prev_scale: jax.Array, fmt, margin: float = 0,
                     power_of_two: bool = False) -> jax.Array:
-  """The scale mapping `amax` to fp8_max / 2**margin; `prev_scale` where amax is 0/inf/NaN."""
+  """The scale mapping `amax` to fp8_max / 2**margin; `prev_scale` where amax is 0/inf/NaN
+  (or the scale would under- or overflow f32). Shapes: `amax` any (f32 after conversion);
+  `prev_scale` a scalar or an array broadcasting to `amax`'s trailing axes; the result has
+  `amax`'s shape."""
   amax = _f32(amax)
   scale = lax.mul(amax, np.float32(2.0 ** margin / fp8_max(fmt)))
   if power_of_two:
