@@ -44,6 +44,22 @@ def group_devices(mesh: Mesh, axes: Sequence[str] = BATCH_AXES) -> list:
   return list(devices.reshape(group_count(mesh, axes), -1)[:, 0])
 
 
+def microbatches_sharding(mesh: Mesh, rows: int,
+                          axes: Sequence[str] = BATCH_AXES) -> NamedSharding:
+  """Where microbatches [k, `rows`, ...] live: their sequences split over the longest prefix
+  of the batch axes (:func:`group_axes`) whose ranks they fill evenly, whole on every rank
+  when none does (a balanced run's microbatch of fewer sequences than ranks). An uneven
+  split would pad, and the partitioner's resharding of the padding moves data between ranks
+  inside the pipeline's per-stage branches, which not every rank takes."""
+  keep, size = [], 1
+  for a in group_axes(mesh, axes):
+    if rows % (size * mesh.shape[a]):
+      break
+    keep.append(a)
+    size *= mesh.shape[a]
+  return NamedSharding(mesh, P(None, tuple(keep)) if keep else P())
+
+
 def batch_sharding(mesh: Mesh, axes: Sequence[str] = BATCH_AXES) -> NamedSharding:
   """First dimension (sequences, or groups of a per-group layout) over the batch axes."""
   return NamedSharding(mesh, P(group_axes(mesh, axes)))

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from fp8jax import fsdp
 from fp8jax.accumulate import widen
@@ -117,7 +117,7 @@ def pipeline_microbatches(loop: PipelineLoop, variables, batch, microbatches: in
   pipeline_lib.check_stages(loop.stages, microbatches)
   parts = batch.reshape(microbatches, batch.shape[0] // microbatches, *batch.shape[1:])
   parts = lax.with_sharding_constraint(
-      parts, NamedSharding(loop.mesh, P(None, layout.group_axes(loop.mesh))))
+      parts, layout.microbatches_sharding(loop.mesh, parts.shape[1]))
   stacked, shared = loop.parts.split(variables)
   with fsdp.gathering(loop.weight_gather):  # ZeRO-3: each layer gathered where it runs
     loss, g_stacked, g_shared = pipeline_lib.pipeline_grads(
@@ -153,7 +153,7 @@ def pipeline_probe(loop: PipelineLoop, variables, part) -> tuple[dict, dict]:
   stages = loop.stages
   parts = lax.with_sharding_constraint(
       jnp.broadcast_to(part, (stages, *part.shape)),
-      NamedSharding(loop.mesh, P(None, layout.group_axes(loop.mesh))))
+      layout.microbatches_sharding(loop.mesh, part.shape[0]))
   fns = loop.stage_fns()
   frozen = pipeline_lib.Stages(
       first=lambda shared, p: fns.first(_frozen_params(shared), p),

@@ -41,7 +41,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from fp8jax import fsdp
 from fp8jax.accumulate import accumulate_gradients, accumulator_zeros, widen
@@ -231,7 +230,7 @@ def eval_loss_fn(apply_fn: Callable, weight_gather: fsdp.WeightGather | None = N
     if pipeline is not None:
       stacked, shared = pipeline.parts.split(variables)
       parts = lax.with_sharding_constraint(
-          batch[None], NamedSharding(pipeline.mesh, P(None, layout.group_axes(pipeline.mesh))))
+          batch[None], layout.microbatches_sharding(pipeline.mesh, batch.shape[0]))
       with fsdp.gathering(pipeline.weight_gather):
         return pipeline_lib.pipeline_loss(pipeline.stage_fns(), pipeline.mesh, stacked,
                                           shared, parts, stage_layers=pipeline.stage_layers)

@@ -19,7 +19,7 @@ from fp8jax.parallel import balance, capability, make_mesh
 from fp8jax.parallel import device_map as device_map_lib
 from fp8jax.parallel import profile as profile_lib
 from fp8jax.train import profile as train_profile
-from fp8jax.parallel.layout import batch_sharding, layout_counts, put_global
+from fp8jax.parallel.layout import batch_sharding, layout_counts, microbatches_sharding, put_global
 from fp8jax.train.step import GroupLoop, make_train_step
 from conftest import rel_err
 from hetero_model import MICROBATCH, _LM, _state, setup
@@ -99,6 +99,19 @@ def test_layout_batch_keeps_order_and_checks_counts():
     layout_counts(batch, [2, 3], 2)
   with pytest.raises(ValueError, match="must be >= 0"):
     layout_counts(batch, [-1, 7], 2)
+
+
+@pytest.mark.parametrize("rows, spec", [(8, ("data", "fsdp")), (4, ("data",)), (12, ("data",)),
+                                       (2, None), (3, None)])
+def test_microbatches_split_only_over_ranks_they_fill(rows, spec):
+  """A balanced run's microbatch of fewer sequences than data ranks stays whole (an uneven
+  split pads it, and the padding's resharding inside a pipeline stage's branch hung)."""
+  mesh = make_mesh(data=4, fsdp=2)
+  want = jax.sharding.PartitionSpec(None, spec) if spec else jax.sharding.PartitionSpec()
+  assert microbatches_sharding(mesh, rows).spec == want
+  x = jax.device_put(np.arange(2 * rows * 3).reshape(2, rows, 3),
+                     microbatches_sharding(mesh, rows))
+  np.testing.assert_array_equal(np.asarray(x), np.arange(2 * rows * 3).reshape(2, rows, 3))
 
 
 # ------------------------------------------------------------------------------ balancer

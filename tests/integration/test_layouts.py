@@ -38,6 +38,13 @@ MEASURED = [
      "train.opt_level=O1"],
     ["parallel.zero_stage=3", "train.batch_size=6", "train.microbatches=1"],
 ]
+# A layout a sweep found hanging in its evaluation (XLA's rendezvous abort): balanced
+# microbatches of 2 sequences over 4 data ranks, FP8, in a pipeline. It trains.
+FOUND = [
+    ["parallel.pipeline_parallel_size=2", "parallel.zero_stage=1", "parallel.grad_comm=fp8",
+     "train.opt_level=O3", "train.microbatches=3", "train.batch_size=6",
+     "parallel.pipeline_schedule=1f1b", "parallel.device_map={cpu: 1.0}"],
+]
 
 
 def _seed() -> int:
@@ -162,11 +169,11 @@ def base_path(tmp_path):
 
 
 def test_layouts_train_or_refuse(base_path, tmp_path):
-  """8 devices: the two measured layouts (refused in one line), one random layout the rules
-  accept (trains one step) and five they refuse."""
+  """8 devices: the two measured layouts (refused in one line), the found one (trains), one
+  random layout the rules accept (trains one step) and five they refuse."""
   rng = np.random.default_rng(_seed())
-  layouts = [{"set": s, "predicted": predicted(base_path, s, 8)} for s in MEASURED]
-  assert [x["predicted"] for x in layouts] == ["refused", "refused"]
+  layouts = [{"set": s, "predicted": predicted(base_path, s, 8)} for s in MEASURED + FOUND]
+  assert [x["predicted"] for x in layouts] == ["refused", "refused", "trained"]
   layouts += pick(rng, base_path, 8, trained=1, refused=5)
   check_outcomes(run_worker(layouts, 8, str(tmp_path / "runs")), 8)
 
