@@ -7,12 +7,12 @@ steps, program by program, each level in its own process.
 Each level runs the Trainer (``fp8jax.train.loop.Trainer``) on the config for ``--steps`` steps
 with an evaluation and an FP8 health probe at the last step (``train.eval_every`` and
 ``train.fp8_health_every`` set to ``--steps``, ``train.eval_batches=1``, no checkpoints; a
-``--set`` of these keys wins, e.g. ``train.fp8_health_every=0``: a calibration-only probe), in a
+``--set`` of these keys wins, e.g. ``train.fp8_health_every=0``: no health probe), in a
 fresh subprocess with the persistent compilation cache off (``runtime.compile_cache=false``:
 every program compiles; with ``--cached``, see below). ``fp8jax.train.compiles.CompileLog``
 records every compile request (``jax.monitoring``); the table gives, per level, the seconds and
-count of the train step's compiles, the FP8 probe's (calibration pass and health probe: one
-program), the evaluation step's, the rest (state initialisation, small eager programs), their
+count of the train step's compiles, the FP8 calibration pass's, the FP8 cast-health probe's,
+the evaluation step's, the rest (state initialisation, small eager programs), their
 total, the seconds from the Trainer's construction to the end of its first step (what ``fp8jax
 train`` prints as "first step done") and the wall time from the Trainer's construction to the
 end of the run; below the table, where each first step's wait went (``fp8jax.train.startup``:
@@ -36,7 +36,7 @@ sys.path.insert(0, ROOT)
 from benchmarks.common.isolated import run_isolated  # noqa: E402
 from fp8jax.train.startup import describe  # noqa: E402
 
-PROGRAMS = ("train_step", "fp8_probe", "eval_step")
+PROGRAMS = ("train_step", "fp8_calibration", "fp8_probe", "eval_step")
 
 
 def run_one(config: str, level: str, overrides: list[str], steps: int,
@@ -102,19 +102,22 @@ def main():
                  cached_hits=warm["cache_hits"], cached_first_step_s=warm["first_step_s"],
                  cached_startup=warm["startup"])
     rows.append(row)
-    print(f"{level}: train step {row['train_step_s']:.1f} s x{row['train_step_n']}, probe "
+    print(f"{level}: train step {row['train_step_s']:.1f} s x{row['train_step_n']}, "
+          f"calibration {row['fp8_calibration_s']:.1f} s x{row['fp8_calibration_n']}, probe "
           f"{row['fp8_probe_s']:.1f} s x{row['fp8_probe_n']}, eval {row['eval_step_s']:.1f} s "
           f"x{row['eval_step_n']}, other {row['other_s']:.1f} s; compiles {row['compile_s']:.1f}"
           f" s of {row['wall_s']:.1f} s wall", flush=True)
   print(f"\nconfig {a.config} {' '.join(a.set)}, {a.steps} steps, "
         + ("cold: an empty cache" if a.cached else "cache off"))
-  head = "| level | train step s (n) | FP8 probe s (n) | eval step s (n) | other s | compile s |" \
+  head = "| level | train step s (n) | calibration s (n) | FP8 probe s (n) | eval step s (n) |" \
+         " other s | compile s |" \
          " first step s | wall s |" + (
              " cached first step s | cached wall s | cached compile s |" if a.cached else "")
   print(head)
   print("|" + "---|" * (head.count("|") - 1))
   for r in rows:
     line = (f"| {r['level']} | {r['train_step_s']:.1f} ({r['train_step_n']}) | "
+            f"{r['fp8_calibration_s']:.1f} ({r['fp8_calibration_n']}) | "
             f"{r['fp8_probe_s']:.1f} ({r['fp8_probe_n']}) | {r['eval_step_s']:.1f} "
             f"({r['eval_step_n']}) | {r['other_s']:.1f} | {r['compile_s']:.1f} | "
             f"{r['first_step_s']:.1f} | {r['wall_s']:.1f} |")

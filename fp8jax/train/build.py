@@ -417,8 +417,9 @@ def fp8_probe(config, plan: ZeroPlan, model, health: bool) -> Probe:
   """The run's FP8 probe on one train-step microbatch (``fp8jax.train.evaluation.
   build_probe``: cast health when `health`, calibrated scales) of `model` (the uncalibrated
   model). With pipeline stages it runs through the stages as the step runs them (each stage
-  its own layers: no more memory than the step). One program serves the run's cast-health
-  probes and its calibration pass."""
+  its own layers: no more memory than the step). With `health` it is the run's cast-health
+  probe; without, its calibration pass (a smaller program, compiled before the first step,
+  while the health probe compiles at its first use)."""
   t = config.train
   pipeline = pipeline_loop(config, plan, model)
   return build_probe(model, plan, t.microbatches, t.microbatch_size, health=health,

@@ -132,6 +132,11 @@ def build_eval_step(apply_fn: Callable, plan: ZeroPlan, microbatches: int,
   return EvalStep(jitted, place, microbatches)
 
 
+# The jitted programs' names (compile logs, profiles): the cast-health probe (which also gives
+# calibrated scales) and the calibration pass alone.
+PROBE_NAMES = {True: "fp8_probe", False: "fp8_calibration"}
+
+
 class Probe(NamedTuple):
   """The jitted FP8 probe of a run (:func:`build_probe`).
 
@@ -172,7 +177,9 @@ def build_probe(model, plan: ZeroPlan, microbatches: int, microbatch_size: int, 
   (`microbatches` x `microbatch_size` sequences; `balanced`: see :func:`batch_sharding`):
   ``(health, fp8)`` where health is ``fp8jax.train.health.probe``'s (`health` True: a linen
   model; else {}) and fp8 is the state with :func:`fp8jax.train.calibration.
-  calibrated_scales` from that microbatch.
+  calibrated_scales` from that microbatch. The jitted program is named after what it gives
+  (:data:`PROBE_NAMES`): without `health` it is the smaller calibration pass a run runs
+  before its first step.
 
   `pipeline`: the train step's pipeline loop, or None. With it the microbatch runs through
   the pipeline's stages as the step runs it (``fp8jax.train.pipeline_loop.pipeline_probe``:
@@ -182,7 +189,7 @@ def build_probe(model, plan: ZeroPlan, microbatches: int, microbatch_size: int, 
   gather = None if pipeline is not None else plan.weight_gather()
   pipeline = pipeline and pipeline.with_plan(plan)  # (ZeRO-3: gathered per layer, as the step)
 
-  def fp8_probe(params, fp8, batch):
+  def probe(params, fp8, batch):
     variables = _variables(params, fp8, matrix_dtype)
     # the first microbatch, sliced as the train step's loop slices it
     part = batch.reshape(microbatches, microbatch_size, *batch.shape[1:])[0]
@@ -199,7 +206,8 @@ def build_probe(model, plan: ZeroPlan, microbatches: int, microbatch_size: int, 
         out, observed = {}, fp8_updates(model.apply, variables, part)
     return out, calibrated_scales(fp8, observed)
 
-  jitted = jax.jit(fp8_probe, in_shardings=(plan.state.params, plan.state.fp8, sharding),
+  probe.__name__ = probe.__qualname__ = PROBE_NAMES[health]
+  jitted = jax.jit(probe, in_shardings=(plan.state.params, plan.state.fp8, sharding),
                    out_shardings=(layout.replicated(plan.mesh), plan.state.fp8),
                    compiler_options=plan.compiler_options or None)
   return Probe(jitted, lambda batch: layout.put_global(

@@ -7,14 +7,16 @@ settings resolved for the devices (``build.choose_auto``), the config's model an
 (``fp8jax.train.build``), the agreed FP8 capability of every process, the abstract state
 (``jax.eval_shape``), its ZeRO plan on the config's mesh (one device is a mesh of one), then
 the state initialised straight into its shardings. Every step, whatever the layout, comes from
-``build.StepCache`` (one builder: ``fp8jax.train.step.build_step``); evaluation and the FP8
-probe (cast health, calibration pass) run on the step's memory plan
+``build.StepCache`` (one builder: ``fp8jax.train.step.build_step``); evaluation, the FP8
+calibration pass and the FP8 cast-health probe run on the step's memory plan
 (``fp8jax.train.evaluation``).
 
 :meth:`Trainer.run` starts the run (the run folder claimed, the config saved, a checkpoint
-resumed, the logs opened, the FP8 probe compiled) and runs the loop: each step, then what is
-due after it (``Trainer._due``: the guards' read, the log window, the FP8 health probe, the
-evaluation, the checkpoint, a preemption stop). Out of device memory in any phase ends it with
+resumed, the logs opened, the first step's programs compiled) and runs the loop: each step,
+then what is due after it (``Trainer._due``: the guards' read, the log window, the FP8 health
+probe, the evaluation, the checkpoint, a preemption stop). The log window's clock leaves out
+what is not training (the health probe, the evaluation, the BF16 loss of the guards: each
+compiles at its first use). Out of device memory in any phase ends it with
 ``fp8jax.train.oom.OutOfMemory``.
 """
 from __future__ import annotations
@@ -25,7 +27,7 @@ import logging
 import math
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -132,8 +134,8 @@ class Trainer:
 
   def _build_programs(self, recipe, calibrate: bool) -> None:
     """Builds what runs the model with `recipe`'s GEMMs (None: BF16): the calibration
-    (``fp8.calibrate``), the train steps, the evaluation step and the FP8 probe (cast health
-    and calibration pass: one program), all on the train step's memory plan."""
+    (``fp8.calibrate``: its pass, a probe without cast health), the train steps, the
+    evaluation step and the FP8 cast-health probe, all on the train step's memory plan."""
     first = self.run_model.for_recipe(recipe)
     steady = self.run_model.for_recipe(recipe.replace(calibrated=True)) if calibrate else None
     self.calibration = Calibration(first, steady)
@@ -142,10 +144,10 @@ class Trainer:
         self.balanced_counts if self.group_seconds is not None else None)
     self._eval = build.eval_step(self.config, self.plan, self.calibration.model)
     self.health_on = self._health_on(recipe, first)
-    calibrating = self.calibration.enabled
-    self._probe = (build.fp8_probe(self.config, self.plan, first, health=self.health_on)
-                   if self.health_on or calibrating else None)
-    self._calibrate = self._probe if calibrating else None
+    self._probe = (build.fp8_probe(self.config, self.plan, first, health=True)
+                   if self.health_on else None)
+    self._calibrate = (build.fp8_probe(self.config, self.plan, first, health=False)
+                       if self.calibration.enabled else None)
 
   def _health_on(self, recipe, model) -> bool:
     """Whether the run probes FP8 cast health (``train.fp8_health_every``): FP8 GEMMs, a linen
@@ -187,8 +189,6 @@ class Trainer:
       with self.startup.phase(startup.SETUP):
         self._open_logs(start)
       self._compile_first_programs(start)
-      with self.startup.phase(startup.PROBE):
-        self._warm_up_probe()
       return self._train(start)
 
   def _train(self, start: int) -> dict:
@@ -201,7 +201,7 @@ class Trainer:
         with self.startup.phase(startup.DATA):
           batch = self.next_batch(step)
         with self.startup.phase(startup.BF16_LOSS):
-          bf16_loss = self._watchdog_loss(step, batch)
+          bf16_loss = self._watchdog_loss(step, batch, window)
         metrics = self._train_step(step, batch, heartbeat)
         if step == start:
           final["first_step_s"] = self._first_step_seconds(metrics)
@@ -215,7 +215,7 @@ class Trainer:
         if due.log:
           final.update(self._log_window(step, window, metrics))
         if self._health_due(step):
-          self._probe_health(step, batch)
+          self._probe_health(step, batch, window)
         if due.evaluate:
           final["val_loss"] = self._evaluate_and_record(step, window)
         bar.advance(1, final if due.log else None)
@@ -253,35 +253,23 @@ class Trainer:
 
   def _compile_first_programs(self, start: int) -> None:
     """Compiles (or loads from the cache) the programs step `start` runs first, each while
-    the next is traced (``compiles.compile_ahead``): the FP8 probe when a calibration pass
-    or the health probe's warm-up runs it, the BF16 loss when due, and the train step of the
-    model that step will run. A program that fails here compiles again, and fails, where it
-    runs."""
+    the next is traced (``compiles.compile_ahead``): the calibration pass when one runs, the
+    BF16 loss when due before the step, and the train step of the model that step will run.
+    (The health probe runs after a step: it compiles at its first use.) A program that fails
+    here compiles again, and fails, where it runs."""
     t = self.config.train
     k = self.config.microbatches_at(start)
     batch = np.zeros((k * t.microbatch_size, self.config.data.seq_len + 1), np.int32)
     state, fp8 = self.state, self.state.fp8
     passing = self._calibrate is not None and self.calibration.wants_pass(fp8)
     programs = []
-    if self._probe is not None and (passing or self.health_on):
-      programs.append(lambda: self._probe.lower(state, batch))
+    if passing:
+      programs.append(lambda: self._calibrate.lower(state, batch))
     if self.watchdog.due(start) or self._loss_gap_due(start):
       programs.append(lambda: self._bf16_loss.eval_step.lower(state, batch))
     calibrated = passing or not self.calibration.uses_first(fp8)
     programs.append(lambda: self.compiled_step(k, calibrated=calibrated).lower(state, batch))
     compiles.compile_ahead(programs)
-
-  def _warm_up_probe(self) -> None:
-    """Runs the FP8 health probe once before any timed log window, so that its compile is
-    not counted as training time; not when the calibration pass is that probe and will run
-    it first (with the step's compile)."""
-    calibrating = (self._calibrate is self._probe is not None
-                   and self.calibration.wants_pass(self.state.fp8))
-    if self.health_on and not calibrating:
-      t = self.config.train
-      self._phase = oom.PROBE
-      self._probe(self.state, np.zeros((t.microbatch_size, self.config.data.seq_len + 1),
-                                       np.int32))
 
   # ------------------------------------------------------------------ one step
 
@@ -303,14 +291,19 @@ class Trainer:
     return (bool(t.fp8_health_every) and self.level.fp8_gemms and self.fallback_reason is None
             and ((step + 1) % t.fp8_health_every == 0 or step + 1 == t.steps))
 
-  def _watchdog_loss(self, step: int, batch) -> Any:
+  def _watchdog_loss(self, step: int, batch, window: "_LogWindow") -> Any:
     """The BF16 loss of `batch` on the state before step `step` when the divergence watchdog
     checks that step (``runtime.divergence_check_every``) or the FP8-BF16 loss gap is
-    measured (:meth:`_loss_gap_due`), else None."""
+    measured (:meth:`_loss_gap_due`), else None. Not training time (`window`'s clock)."""
     self._phase = oom.WATCHDOG
     if not (self.watchdog.due(step) or self._loss_gap_due(step)):
       return None
-    return self._bf16_loss(self.state, batch)
+    with window.paused(self._wait_for_steps):
+      return self._bf16_loss(self.state, batch)
+
+  def _wait_for_steps(self) -> None:
+    """Waits for the device to finish the steps dispatched so far."""
+    jax.block_until_ready(self.state)
 
   def _train_step(self, step: int, batch, heartbeat) -> dict:
     """Runs optimizer step `step` on `batch` (dispatched: nothing is read back), reports
@@ -345,12 +338,12 @@ class Trainer:
                                  "tokens_seen": self.config.tokens_seen(step + 1)})
 
   def _evaluate_and_record(self, step: int, window: "_LogWindow") -> float:
-    """The validation loss after step `step`, written to the logs; the log window's clock
-    restarts after it (evaluation is not training time)."""
+    """The validation loss after step `step`, written to the logs; not training time (the
+    log window's clock)."""
     self._phase = oom.EVAL
-    val_loss = self.evaluate()
+    with window.paused(self._wait_for_steps):
+      val_loss = self.evaluate()
     self.writer.write(step + 1, {"val_loss": val_loss})
-    window.restart()
     return val_loss
 
   def _save_checkpoint(self, step: int, heartbeat) -> None:
@@ -401,9 +394,9 @@ class Trainer:
         state = self.calibrate(state, batch)
         first = self.calibration.uses_first(state.fp8)
       self._phase = oom.STEP
-      with self.startup.phase(startup.STEP):
+      with self.startup.phase(startup.STEP):  # (the check after a pass waits for the step)
         state, metrics = self.compiled_step(microbatches, calibrated=not first)(state, batch)
-      self.calibration.observed(state.fp8)
+        self.calibration.observed(state.fp8)
       return state, metrics
     return run
 
@@ -503,10 +496,12 @@ class Trainer:
     window.reset()
     return out
 
-  def _probe_health(self, step: int, batch) -> None:
-    """Writes the FP8 cast health of the first microbatch of `batch` (``fp8/...``)."""
+  def _probe_health(self, step: int, batch, window: "_LogWindow") -> None:
+    """Writes the FP8 cast health of the first microbatch of `batch` (``fp8/...``); not
+    training time (`window`'s clock: the probe compiles at its first use)."""
     self._phase = oom.PROBE
-    health, _ = self._probe(self.state, batch)
+    with window.paused(self._wait_for_steps):
+      health, _ = jax.block_until_ready(self._probe(self.state, batch))
     self.writer.write(step + 1, {k: float(v) for k, v in health.items()})
 
   # ------------------------------------------------------------------ layout
@@ -695,9 +690,11 @@ class _Due:
 
 
 class _LogWindow:
-  """Losses, FP8 grad-comm scaling records, tokens and seconds of one log window."""
+  """Losses, FP8 grad-comm scaling records, tokens and seconds of one log window.
+  `clock`: seconds (``time.perf_counter``)."""
 
-  def __init__(self):
+  def __init__(self, clock: Callable[[], float] = time.perf_counter):
+    self.clock = clock
     self.reset()
 
   def reset(self) -> None:
@@ -705,11 +702,19 @@ class _LogWindow:
     self.losses: list = []
     self.comm: list = []
     self.tokens = self.last_tokens = 0
-    self.restart()
+    self.t0 = self.clock()
 
-  def restart(self) -> None:
-    """Restarts the clock (after time that is not training time)."""
-    self.t0 = time.perf_counter()
+  @contextlib.contextmanager
+  def paused(self, wait: Callable[[], Any]):
+    """Leaves the time of the block out of the window's seconds (work that is not training:
+    evaluation, probes). ``wait()`` runs first and counts: it waits for the device to finish
+    the window's steps dispatched before the block."""
+    wait()
+    t0 = self.clock()
+    try:
+      yield
+    finally:
+      self.t0 += self.clock() - t0
 
   def add(self, metrics: dict, batch) -> None:
     self.losses.append(metrics["loss"])
@@ -720,4 +725,4 @@ class _LogWindow:
     self.tokens += self.last_tokens
 
   def seconds(self) -> float:
-    return time.perf_counter() - self.t0
+    return self.clock() - self.t0

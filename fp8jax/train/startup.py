@@ -15,9 +15,9 @@ import time
 from fp8jax.train import compiles
 
 # The phases a Trainer names, in the order it runs them (the summary's order).
-SETUP, DATA, STATE, RESTORE, PROBE, BF16_LOSS, CALIBRATION, STEP = (
-    "set-up", "data", "state", "restore", "probe", "bf16 loss", "calibration", "step")
-PHASES = (SETUP, DATA, STATE, RESTORE, PROBE, BF16_LOSS, CALIBRATION, STEP)
+SETUP, DATA, STATE, RESTORE, BF16_LOSS, CALIBRATION, STEP = (
+    "set-up", "data", "state", "restore", "bf16 loss", "calibration", "step")
+PHASES = (SETUP, DATA, STATE, RESTORE, BF16_LOSS, CALIBRATION, STEP)
 
 
 class StartupClock:

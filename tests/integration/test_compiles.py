@@ -1,7 +1,8 @@
 """A run compiles its train step once (the FP8 calibration is a probe pass, not a second
-step program; with pipeline stages too), its first programs in the compile thread while the
-next is traced, and a second run of the same config loads its programs from the persistent
-compilation cache (``runtime.compile_cache``)."""
+step program; with pipeline stages too), its first programs (the calibration pass, the step)
+in the compile thread while the next is traced, its health probe at its first use, and a
+second run of the same config loads its programs from the persistent compilation cache
+(``runtime.compile_cache``)."""
 import time
 
 import jax
@@ -34,8 +35,8 @@ def _run(cfg) -> CompileLog:
   return log
 
 
-# Pipeline stages (8 CPU devices: 2 stages x data 4): the probe (calibration and cast
-# health) runs through the stages; 1F1B and a batch ramp whose first step runs fewer
+# Pipeline stages (8 CPU devices: 2 stages x data 4): the calibration pass and the cast-health
+# probe run through the stages; 1F1B and a batch ramp whose first step runs fewer
 # microbatches than the stages (one dynamic step program).
 PIPELINE = ["parallel.pipeline_parallel_size=2", "parallel.pipeline_schedule=1f1b",
             "parallel.zero_stage=1", "model.n_layers=2", "train.batch_size=16",
@@ -58,13 +59,16 @@ def test_one_train_step_compile_per_run_and_a_second_run_hits_the_cache(tmp_path
   first = _run(cfg)
   assert "first step done" in capsys.readouterr().out
   assert jax.config.jax_compilation_cache_dir == str(cache)
-  for name in ("train_step", "fp8_probe", "eval_step"):  # (calibration + health: one probe)
+  names = ("train_step", "fp8_calibration", "fp8_probe", "eval_step")
+  for name in names:
     assert len(first.of(name)) == 1, (name, first.compiles)
   assert not any(c.cached for c in first.of("train_step"))
-  for name in ("train_step", "fp8_probe"):  # compiled ahead, while the next was traced
+  for name in ("train_step", "fp8_calibration"):  # compiled ahead, while the next was traced
     assert first.of(name)[0].thread.startswith(compiles.COMPILE_THREAD), first.compiles
+  # the health probe runs after the first step: it compiles at its first use
+  assert not first.of("fp8_probe")[0].thread.startswith(compiles.COMPILE_THREAD)
   second = _run(cfg)
-  for name in ("train_step", "fp8_probe", "eval_step"):
+  for name in names:
     assert [c.cached for c in second.of(name)] == [True], (name, second.compiles)
 
 

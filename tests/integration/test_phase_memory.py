@@ -37,12 +37,12 @@ def phase_memory(trainer) -> dict[str, int]:
   batch = trainer.next_batch(0)
   step = trainer.compiled_step(t.microbatches, calibrated=True)
   out = {"train step": _own(step.jitted.lower(state, *step.place(batch)).compile(), state)}
-  e, p = trainer._eval, trainer._probe
+  e = trainer._eval
   out["evaluation"] = _own(e.jitted.lower(state.params, state.fp8, *e.place(batch)).compile(),
                            (state.params, state.fp8))
-  assert trainer._calibrate is p  # one program: cast health and calibration
-  out["FP8 probe"] = _own(p.jitted.lower(state.params, state.fp8, p.place(batch)).compile(),
-                          (state.params, state.fp8))
+  for name, p in (("FP8 probe", trainer._probe), ("calibration", trainer._calibrate)):
+    out[name] = _own(p.jitted.lower(state.params, state.fp8, p.place(batch)).compile(),
+                     (state.params, state.fp8))
   b = trainer._bf16_loss.eval_step  # the BF16 loss of the watchdog and fp8/loss_gap
   out["divergence check"] = _own(b.jitted.lower(state.params, state.fp8, *b.place(batch))
                                  .compile(), (state.params, state.fp8))
@@ -52,7 +52,7 @@ def phase_memory(trainer) -> dict[str, int]:
 @pytest.mark.parametrize("zero, stages", [(0, 1), (3, 1), (3, 2)])
 def test_no_phase_needs_more_memory_than_the_train_step(tmp_path, zero, stages):
   # eval_batches 32 x 8 sequences: 16x the step's batch of 2 microbatches (of 8: one per device)
-  # Pipeline stages: the probe (cast health and calibration) runs through them.
+  # Pipeline stages: the calibration pass and the cast-health probe run through them.
   sets = ["train.opt_level=O2", "fp8.calibrate=always", "train.batch_size=16",
           "train.microbatches=2", "train.eval_batches=32", "train.fp8_health_every=1",
           "model.n_layers=2", "model.d_model=64", "model.d_ff=256", "data.seq_len=64",
@@ -61,7 +61,7 @@ def test_no_phase_needs_more_memory_than_the_train_step(tmp_path, zero, stages):
           f"runtime.run_dir={tmp_path}"]
   trainer = Trainer(load_config(TINY, sets), progress=False)
   mem = phase_memory(trainer)
-  assert "FP8 probe" in mem
+  assert "FP8 probe" in mem and "calibration" in mem
   step = mem.pop("train step")
   for phase, need in mem.items():
     assert need <= step * (1 + MARGIN), (phase, need, step)

@@ -116,7 +116,7 @@ def test_trainer_gives_the_faster_stage_more_layers(tmp_path, capsys):
   with CompileLog() as log:
     trainer = Trainer(cfg, progress=False)
     trainer.run()
-  assert len(log.of("train_step")) == len(log.of("fp8_probe")) == 1, log.compiles
+  assert len(log.of("train_step")) == len(log.of("fp8_calibration")) == 1, log.compiles
   assert trainer.calibration.passes == 1 and trainer.calibration.pending is False
   out = capsys.readouterr().out
   assert "layers per stage: 1, 3" in out, out

@@ -1,0 +1,30 @@
+"""The log window's clock (tokens/s): work that is not training (evaluation, probes, the
+guards' BF16 loss, each compiling at its first use) stays out of its seconds, the device's
+work on the steps before it stays in."""
+import pytest
+
+from fp8jax.train.loop import _LogWindow
+
+
+def test_paused_time_is_left_out_and_the_wait_for_the_steps_counts():
+  now = [100.0]
+  window = _LogWindow(clock=lambda: now[0])
+  now[0] += 2.0  # steps dispatched
+  waited = []
+
+  def wait():  # the device finishes the window's steps: training time
+    waited.append(now[0])
+    now[0] += 0.5
+
+  with window.paused(wait):
+    now[0] += 30.0  # a probe's compile and run
+  now[0] += 1.0  # more steps
+  assert waited == [102.0]
+  assert window.seconds() == pytest.approx(3.5)
+  with pytest.raises(RuntimeError), window.paused(lambda: None):
+    now[0] += 4.0
+    raise RuntimeError("out of memory")
+  assert window.seconds() == pytest.approx(3.5)  # left out when the block raises too
+  window.reset()
+  now[0] += 0.25
+  assert window.seconds() == pytest.approx(0.25)
