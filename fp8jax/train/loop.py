@@ -14,9 +14,9 @@ calibration pass and the FP8 cast-health probe run on the step's memory plan
 :meth:`Trainer.run` starts the run (the run folder claimed, the config saved, a checkpoint
 resumed, the logs opened, the first step's programs compiled) and runs the loop: each step,
 then what is due after it (``Trainer._due``: the guards' read, the log window, the FP8 health
-probe, the evaluation, the checkpoint, a preemption stop). The log window's clock leaves out
-what is not training (the health probe, the evaluation, the BF16 loss of the guards: each
-compiles at its first use). Out of device memory in any phase ends it with
+probe, the evaluation, the checkpoint, a preemption stop). The log window's clock (tokens/s)
+leaves out the evaluation and the compiles of programs at their first use (the health probe,
+the guards' BF16 loss); their running time counts as a cost of training. Out of device memory in any phase ends it with
 ``fp8jax.train.oom.OutOfMemory``.
 """
 from __future__ import annotations
@@ -294,11 +294,12 @@ class Trainer:
   def _watchdog_loss(self, step: int, batch, window: "_LogWindow") -> Any:
     """The BF16 loss of `batch` on the state before step `step` when the divergence watchdog
     checks that step (``runtime.divergence_check_every``) or the FP8-BF16 loss gap is
-    measured (:meth:`_loss_gap_due`), else None. Not training time (`window`'s clock)."""
+    measured (:meth:`_loss_gap_due`), else None. Its running time counts in `window`'s
+    clock (a cost of training), its compile at its first use does not."""
     self._phase = oom.WATCHDOG
     if not (self.watchdog.due(step) or self._loss_gap_due(step)):
       return None
-    with window.paused(self._wait_for_steps):
+    with window.without_compiles():
       return self._bf16_loss(self.state, batch)
 
   def _wait_for_steps(self) -> None:
@@ -497,11 +498,12 @@ class Trainer:
     return out
 
   def _probe_health(self, step: int, batch, window: "_LogWindow") -> None:
-    """Writes the FP8 cast health of the first microbatch of `batch` (``fp8/...``); not
-    training time (`window`'s clock: the probe compiles at its first use)."""
+    """Writes the FP8 cast health of the first microbatch of `batch` (``fp8/...``). Its
+    running time counts in `window`'s clock (a cost of training), its compile at its first
+    use does not."""
     self._phase = oom.PROBE
-    with window.paused(self._wait_for_steps):
-      health, _ = jax.block_until_ready(self._probe(self.state, batch))
+    with window.without_compiles():
+      health, _ = self._probe(self.state, batch)
     self.writer.write(step + 1, {k: float(v) for k, v in health.items()})
 
   # ------------------------------------------------------------------ layout
@@ -707,14 +709,26 @@ class _LogWindow:
   @contextlib.contextmanager
   def paused(self, wait: Callable[[], Any]):
     """Leaves the time of the block out of the window's seconds (work that is not training:
-    evaluation, probes). ``wait()`` runs first and counts: it waits for the device to finish
-    the window's steps dispatched before the block."""
+    the evaluation). ``wait()`` runs first and counts: it waits for the device to finish the
+    window's steps dispatched before the block."""
     wait()
     t0 = self.clock()
     try:
       yield
     finally:
       self.t0 += self.clock() - t0
+
+  @contextlib.contextmanager
+  def without_compiles(self, totals: Callable[[], compiles.Totals] = compiles.totals):
+    """Leaves the tracing, lowering and compiling inside the block (a program's first use;
+    `totals`: the process's compile work, ``compiles.totals``) out of the window's seconds;
+    the rest of the block counts."""
+    before = totals()
+    try:
+      yield
+    finally:
+      d = totals() - before
+      self.t0 += d.trace_s + d.lower_s + d.compile_s
 
   def add(self, metrics: dict, batch) -> None:
     self.losses.append(metrics["loss"])

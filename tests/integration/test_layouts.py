@@ -56,7 +56,8 @@ def _seed() -> int:
 def random_layout(rng) -> list[str]:
   """--set overrides of one random layout of the worker's model: mesh sizes, batch,
   microbatches, ZeRO stage, level, gradient communication; sometimes a batch ramp (the one
-  step runs one microbatch) or balanced per-group counts (``parallel.device_map``)."""
+  step runs one microbatch), balanced per-group counts (``parallel.device_map``) or the FP8
+  calibration pass and cast-health probe (programs of their own through the layout)."""
   pipe = int(rng.choice([1, 1, 2, 4]))
   microbatches = int(rng.choice([1, 2, 3, 4, 8]))
   batch = microbatches * int(rng.choice([1, 2, 3, 4, 6, 8])) + int(rng.random() < 0.1)
@@ -75,6 +76,8 @@ def random_layout(rng) -> list[str]:
                f"end_tokens: {batch * seq}, ramp_steps: 1}}")
   if rng.random() < 0.15:
     out.append("parallel.device_map={cpu: 1.0}")
+  if rng.random() < 0.25:  # the calibration pass before the step, the health probe after it
+    out += ["fp8.calibrate=always", "train.fp8_health_every=1"]
   return out
 
 
