@@ -299,11 +299,14 @@ class Trainer:
     self._phase = oom.WATCHDOG
     if not (self.watchdog.due(step) or self._loss_gap_due(step)):
       return None
+    self._wait_for_steps()
     with window.without_compiles():
       return self._bf16_loss(self.state, batch)
 
   def _wait_for_steps(self) -> None:
-    """Waits for the device to finish the steps dispatched so far."""
+    """Waits for the device to finish the steps dispatched so far (before a program that
+    may compile: GPU autotuning runs kernels in device memory, which a running step may
+    have filled)."""
     jax.block_until_ready(self.state)
 
   def _train_step(self, step: int, batch, heartbeat) -> dict:
@@ -502,6 +505,7 @@ class Trainer:
     running time counts in `window`'s clock (a cost of training), its compile at its first
     use does not."""
     self._phase = oom.PROBE
+    self._wait_for_steps()
     with window.without_compiles():
       health, _ = self._probe(self.state, batch)
     self.writer.write(step + 1, {k: float(v) for k, v in health.items()})
