@@ -60,8 +60,8 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from fp8jax import fsdp, rowwise, scaling
-from fp8jax.dot_layout import agree_on_vma, canonical_dims, explicit_shardings, to_vma, \
-    vma_of, weight_gather
+from fp8jax.dot_layout import agree_on_vma, canonical_dims, explicit_shardings, \
+    primal_values_fwd, to_vma, vma_of, weight_gather
 from fp8jax.hardware import active_plan, native_fp8_reason
 from fp8jax.kernels import cast_transpose as ct
 from fp8jax.recipe import Recipe
@@ -324,6 +324,7 @@ def _matmul_bwd(cfg: _Config, res, g, meta_ct, out_activation: str | None = None
   caller). Returns the cotangents of (x, w, meta, wc, gain)."""
   qx, qw, sx, sw, og_meta, new_in, new_k, x_pre, gain = res  # fused: qx is q_x_t[.., K, M]
   r = cfg.recipe
+  g = scaling.dense_cotangent(g)
   if cfg.fused:
     qg, qg_t, ag, sg = _fused_cast(g, og_meta, r, r.bwd_format, cfg.amax_axes, out_activation,
                                    out_activation_input)
@@ -360,10 +361,12 @@ def _matmul_bwd(cfg: _Config, res, g, meta_ct, out_activation: str | None = None
   new_meta = jax.tree.map(lambda a: to_vma(a, cfg.meta_vma), new_meta)
   wc_ct = WeightCast(jnp.zeros_like(qw), jnp.zeros_like(sw), jnp.zeros_like(sw)) \
       if cfg.weight_cast else None  # a cast is not differentiated (w gets the weight gradient)
-  return dx, dw, scaling.combine_max(new_meta, meta_ct), wc_ct, d_gain
+  return dx, dw, scaling.combine_cotangent(new_meta, meta_ct), wc_ct, d_gain
 
 
-_fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
+# (symbolic zeros: a single call's unused meta passthrough costs no combine in the backward)
+_fp8_matmul.defvjp(primal_values_fwd(_fp8_matmul_fwd, (5,)), _fp8_matmul_bwd,
+                   symbolic_zeros=True)
 
 
 def _check_weight_cast(wc, rhs, recipe: Recipe, vma: frozenset) -> None:
@@ -578,7 +581,7 @@ def _fp8_mlp_bwd(cfg_in, cfg_out, res, cts):
   return dx, dw_in, dw_out, new_in, new_out, wc_in_ct, wc_out_ct, d_gain
 
 
-_fp8_mlp.defvjp(_fp8_mlp_fwd, _fp8_mlp_bwd)
+_fp8_mlp.defvjp(primal_values_fwd(_fp8_mlp_fwd, (8, 9)), _fp8_mlp_bwd, symbolic_zeros=True)
 
 
 def fp8_mlp_chained(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta,

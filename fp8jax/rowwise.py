@@ -45,7 +45,7 @@ import numpy as np
 from jax import lax
 
 from fp8jax import scaling
-from fp8jax.dot_layout import to_vma
+from fp8jax.dot_layout import primal_values_fwd, to_vma
 from fp8jax.recipe import Recipe
 
 
@@ -174,6 +174,7 @@ def _matmul_fwd(x, w, meta, cfg: Config):
 def _matmul_bwd(cfg: Config, res, cts):
   qx_t, sx_t, w, partial = res
   g, meta_ct = cts
+  g = scaling.dense_cotangent(g)
   r = cfg.recipe
   m_axis = g.ndim - 2
   # Input gradient g[.., M, N] . w[.., K, N] over N: both per row along N.
@@ -188,10 +189,10 @@ def _matmul_bwd(cfg: Config, res, cts):
   new = partial._replace(output_grad=scaling.update_meta(
       partial.output_grad, tensor_amax(ag, cfg.amax_axes), r, r.bwd_format))
   new = jax.tree.map(lambda a: to_vma(a, cfg.meta_vma), new)
-  return dx, dw, scaling.combine_max(new, meta_ct)
+  return dx, dw, scaling.combine_cotangent(new, meta_ct)
 
 
-matmul.defvjp(_matmul_fwd, _matmul_bwd)
+matmul.defvjp(primal_values_fwd(_matmul_fwd, (3,)), _matmul_bwd, symbolic_zeros=True)
 
 
 def check_call(weight_cast, weight_shardings) -> None:

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
+from jax.custom_derivatives import SymbolicZero
 
 from fp8jax.recipe import Recipe
 
@@ -221,6 +222,24 @@ def combine_max(a, b):
   update the larger amax alone would give. Never sum FP8 state.
   """
   return jax.tree.map(_combine_meta, a, b, is_leaf=lambda x: isinstance(x, Fp8Meta))
+
+
+def dense_cotangent(ct):
+  """`ct` (a cotangent given to a ``custom_vjp`` rule defined with ``symbolic_zeros=True``)
+  with each symbolic zero leaf made an array of zeros of its shape and dtype."""
+  return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype) if isinstance(x, SymbolicZero)
+                      else x, ct)
+
+
+def combine_cotangent(new, meta_ct):
+  """A chained FP8 op's state cotangent: `new`, its own updated FP8 state, combined by max
+  (:func:`combine_max`) with `meta_ct`, the cotangent of the state it passed through to a
+  later call of the same layer; `new` itself when the passthrough fed nothing (`meta_ct`'s
+  leaves all symbolic zeros: ``defvjp(..., symbolic_zeros=True)``), which leaves a single
+  call's backward without a combine against zeros."""
+  if all(isinstance(x, SymbolicZero) for x in jax.tree.leaves(meta_ct)):
+    return new
+  return combine_max(new, dense_cotangent(meta_ct))
 
 
 def checkpoint_named(name: str, *arrays):

@@ -93,6 +93,34 @@ def test_chained_calls_combine_state_by_max_not_sum(key):
   assert float(new.kernel.amax_history[0]) == float(jnp.max(jnp.abs(w)))  # not 2x
 
 
+def test_a_single_calls_backward_combines_nothing(key):
+  """A single call's meta passthrough feeds nothing: its cotangent is a symbolic zero, so the
+  backward gives the updated state without combining it by max with zeros (one max over an
+  amax history per FP8 role), and the state is the same as with the combine."""
+  k1, k2 = jax.random.split(key)
+  w, x = jax.random.normal(k1, (64, 32)), jax.random.normal(k2, (16, 64))
+  dn = (((1,), (0,)), ((), ()))
+  meta = fp8jax.init_dot_meta()
+
+  def single(meta):
+    return jnp.sum(fp8jax.fp8_dot_general_chained(x, w, dn, meta)[0])
+
+  def passed_on(meta):  # the passthrough feeds the loss (with weight 0): a real cotangent
+    y, m = fp8jax.fp8_dot_general_chained(x, w, dn, meta)
+    return jnp.sum(y) + 0.0 * sum(jnp.sum(a) for a in jax.tree.leaves(m))
+
+  def history_maxes(loss):
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(meta).jaxpr
+    return sum(e.outvars[0].aval.shape == (16,) for e in primitive_eqns(jaxpr, "max"))
+
+  assert history_maxes(single) == 0
+  assert history_maxes(passed_on) == 3
+  for a, b in zip(jax.tree.leaves(jax.grad(single)(meta)),
+                  jax.tree.leaves(jax.grad(passed_on)(meta))):
+    np.testing.assert_array_equal(a, b)
+  assert float(jax.grad(single)(meta).input.amax_history[0]) == float(jnp.max(jnp.abs(x)))
+
+
 def _dot_eqns(jaxpr):
   """Every dot_general equation in `jaxpr` and its sub-jaxprs, in program order."""
   return primitive_eqns(jaxpr, "dot_general")
