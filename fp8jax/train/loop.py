@@ -16,8 +16,8 @@ resumed, the logs opened, the first step's programs compiled) and runs the loop:
 then what is due after it (``Trainer._due``: the guards' read, the log window, the FP8 health
 probe, the evaluation, the checkpoint, a preemption stop). The log window's clock (tokens/s)
 leaves out the evaluation and the compiles of programs at their first use (the health probe,
-the guards' BF16 loss); their running time counts as a cost of training. Out of device memory in any phase ends it with
-``fp8jax.train.oom.OutOfMemory``.
+the guards' BF16 loss); their running time counts as a cost of training. Out of device
+memory in any phase ends it with ``fp8jax.train.oom.OutOfMemory``.
 """
 from __future__ import annotations
 
