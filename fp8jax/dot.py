@@ -60,8 +60,8 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from fp8jax import fsdp, rowwise, scaling
-from fp8jax.dot_layout import agree_on_vma, canonical_dims, explicit_shardings, \
-    primal_values_fwd, to_vma, vma_of, weight_gather
+from fp8jax.dot_layout import agree_on_vma, canonical_dims, explicit_shardings, to_vma, \
+    vma_of, weight_gather
 from fp8jax.hardware import active_plan, native_fp8_reason
 from fp8jax.kernels import cast_transpose as ct
 from fp8jax.recipe import Recipe
@@ -365,7 +365,7 @@ def _matmul_bwd(cfg: _Config, res, g, meta_ct, out_activation: str | None = None
 
 
 # (symbolic zeros: a single call's unused meta passthrough costs no combine in the backward)
-_fp8_matmul.defvjp(primal_values_fwd(_fp8_matmul_fwd, (5,)), _fp8_matmul_bwd,
+_fp8_matmul.defvjp(scaling.primal_values_fwd(_fp8_matmul_fwd, (5,)), _fp8_matmul_bwd,
                    symbolic_zeros=True)
 
 
@@ -581,7 +581,8 @@ def _fp8_mlp_bwd(cfg_in, cfg_out, res, cts):
   return dx, dw_in, dw_out, new_in, new_out, wc_in_ct, wc_out_ct, d_gain
 
 
-_fp8_mlp.defvjp(primal_values_fwd(_fp8_mlp_fwd, (8, 9)), _fp8_mlp_bwd, symbolic_zeros=True)
+_fp8_mlp.defvjp(scaling.primal_values_fwd(_fp8_mlp_fwd, (8, 9)), _fp8_mlp_bwd,
+                symbolic_zeros=True)
 
 
 def fp8_mlp_chained(x, w_in, w_out, meta_in: Fp8DotMeta, meta_out: Fp8DotMeta,

@@ -11,20 +11,9 @@ import math
 
 import jax
 from jax import lax
-from jax.custom_derivatives import custom_vjp_primal_tree_values
 from jax.sharding import PartitionSpec as P
 
 from fp8jax import fsdp
-
-
-def primal_values_fwd(fwd, static: tuple[int, ...]):
-  """`fwd` as a ``custom_vjp`` forward rule defined with ``symbolic_zeros=True``, whose
-  differentiable arguments arrive as ``CustomVJPPrimal`` leaves: `fwd` gets their values
-  (the arguments at positions `static`, the ``nondiff_argnums``, as they come)."""
-  def values_fwd(*args):
-    return fwd(*(a if i in static else custom_vjp_primal_tree_values(a)
-                 for i, a in enumerate(args)))
-  return values_fwd
 
 
 def vma_of(x) -> frozenset:

@@ -45,7 +45,7 @@ import numpy as np
 from jax import lax
 
 from fp8jax import scaling
-from fp8jax.dot_layout import primal_values_fwd, to_vma
+from fp8jax.dot_layout import to_vma
 from fp8jax.recipe import Recipe
 
 
@@ -192,7 +192,7 @@ def _matmul_bwd(cfg: Config, res, cts):
   return dx, dw, scaling.combine_cotangent(new, meta_ct)
 
 
-matmul.defvjp(primal_values_fwd(_matmul_fwd, (3,)), _matmul_bwd, symbolic_zeros=True)
+matmul.defvjp(scaling.primal_values_fwd(_matmul_fwd, (3,)), _matmul_bwd, symbolic_zeros=True)
 
 
 def check_call(weight_cast, weight_shardings) -> None:

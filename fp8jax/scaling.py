@@ -14,6 +14,11 @@ arbitrary scale of 1; that fallback makes every delayed cast depend on its tenso
 passes over the tensor), which ``Recipe(calibrated=True)`` removes once every state has
 observed a tensor.
 
+A chained FP8 op (``fp8jax.dot``) returns its state as passed in and gets its updated
+state back as that state's cotangent: its custom VJP is defined with symbolic zeros
+(:func:`primal_values_fwd`), and :func:`combine_cotangent` combines the update with what a
+later call of the same layer gave, if any.
+
 Amaxes are reduced with ``lax.pmax`` over ``axis_names`` (the mesh axes a tensor is sharded
 on inside ``shard_map``), so every device computes the same scale. Under plain ``jax.jit`` with
 sharded arrays the reduction is already global and ``axis_names`` stays empty.
@@ -27,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
-from jax.custom_derivatives import SymbolicZero
+from jax.custom_derivatives import SymbolicZero, custom_vjp_primal_tree_values
 
 from fp8jax.recipe import Recipe
 
@@ -222,6 +227,16 @@ def combine_max(a, b):
   update the larger amax alone would give. Never sum FP8 state.
   """
   return jax.tree.map(_combine_meta, a, b, is_leaf=lambda x: isinstance(x, Fp8Meta))
+
+
+def primal_values_fwd(fwd, static: tuple[int, ...]):
+  """`fwd` as a ``custom_vjp`` forward rule defined with ``symbolic_zeros=True``, whose
+  differentiable arguments arrive as ``CustomVJPPrimal`` leaves: `fwd` gets their values
+  (the arguments at positions `static`, the ``nondiff_argnums``, as they come)."""
+  def values_fwd(*args):
+    return fwd(*(a if i in static else custom_vjp_primal_tree_values(a)
+                 for i, a in enumerate(args)))
+  return values_fwd
 
 
 def dense_cotangent(ct):
