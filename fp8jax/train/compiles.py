@@ -104,6 +104,11 @@ class Totals(NamedTuple):
   def __sub__(self, earlier: "Totals") -> "Totals":
     return Totals(*(a - b for a, b in zip(self, earlier)))
 
+  @property
+  def work_s(self) -> float:
+    """Seconds of tracing, lowering and compiling (what a program's first use costs)."""
+    return self.trace_s + self.lower_s + self.compile_s
+
 
 class _Counter:
   """The one process-wide listener behind :func:`totals` (registered once, never removed)."""

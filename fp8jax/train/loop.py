@@ -731,8 +731,7 @@ class _LogWindow:
     try:
       yield
     finally:
-      d = totals() - before
-      self.t0 += d.trace_s + d.lower_s + d.compile_s
+      self.t0 += (totals() - before).work_s
 
   def add(self, metrics: dict, batch) -> None:
     self.losses.append(metrics["loss"])

@@ -45,7 +45,7 @@ class StartupClock:
       yield
     finally:
       d = compiles.totals() - c
-      busy = time.perf_counter() - t - (d.trace_s + d.lower_s + d.compile_s)
+      busy = time.perf_counter() - t - d.work_s
       self.seconds[name] = self.seconds.get(name, 0.0) + max(busy, 0.0)
 
   def stop(self) -> dict:
