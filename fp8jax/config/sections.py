@@ -348,7 +348,8 @@ class RuntimeSection(_Section):
   in a row reload the last checkpoint (0: never); every `divergence_check_every` steps (0:
   never) the FP8 loss is compared with BF16 GEMMs on the same batch and a relative gap above
   `divergence_threshold` switches the run to BF16 (O0) GEMMs. `compile_cache`: JAX's
-  persistent compilation cache (``fp8jax.train.compiles``): "auto" (the folder
+  persistent compilation cache (``fp8jax.train.compiles``) and the run's traced programs
+  beside it (``fp8jax.train.program_cache``): "auto" (the folder
   ``JAX_COMPILATION_CACHE_DIR`` names, else ~/.cache/fp8jax/jax_cache), false (off), or a
   folder."""
   _path = "runtime"

@@ -440,12 +440,15 @@ class StepCache:
     tx: the optimizer; plan: the ZeRO plan; fused_update: from :func:`fused_update_fn`.
     counts_fn: optional ``microbatches -> counts per data-parallel group`` (balanced runs,
       ``parallel.device_map``); None: every group runs every microbatch.
+    saved: optional ``(step, model, microbatches) -> step`` applied to each step built (the
+      trainer's program cache, ``fp8jax.train.program_cache``).
   """
 
   def __init__(self, config, tx, plan: ZeroPlan, fused_update: Callable | None = None,
-               counts_fn: Callable[[int], Sequence[int]] | None = None):
+               counts_fn: Callable[[int], Sequence[int]] | None = None,
+               saved: Callable[[TrainStep, Any, int], TrainStep] | None = None):
     self.config, self.tx, self.plan = config, tx, plan
-    self.fused_update, self.counts_fn = fused_update, counts_fn
+    self.fused_update, self.counts_fn, self.saved = fused_update, counts_fn, saved
     self.dynamic = config.train.batch_ramp is not None
     self._steps: dict = {}
 
@@ -461,8 +464,11 @@ class StepCache:
     key = (id(model), microbatches)
     if key not in self._steps:
       loop = step_loop(c, self.plan, model, microbatches, self.counts_fn)
-      self._steps[key] = (model, build_step(model.apply, self.tx, self.plan, microbatches,
-                                            loop, fused_update=self.fused_update))
+      step = build_step(model.apply, self.tx, self.plan, microbatches, loop,
+                        fused_update=self.fused_update)
+      if self.saved is not None:
+        step = self.saved(step, model, microbatches)
+      self._steps[key] = (model, step)
     return self._steps[key][1]
 
   def built(self) -> list[tuple]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -35,11 +36,11 @@ import numpy as np
 
 from fp8jax import data as data_lib
 from fp8jax import optim as fp8_optim
-from fp8jax.config import Config, save_config
+from fp8jax.config import Config, config_to_dict, save_config
 from fp8jax.dot import native_fp8_reason
 from fp8jax.parallel import balance, capability, layout, pipeline
 from fp8jax.parallel import device_map as device_map_lib
-from fp8jax.train import build, compiles, guards, oom, startup
+from fp8jax.train import build, compiles, guards, oom, program_cache, startup
 from fp8jax.train import metrics as metrics_lib
 from fp8jax.train.calibration import Calibration
 from fp8jax.train.compiles import use_compile_cache
@@ -128,8 +129,12 @@ class Trainer:
     self.fallback_reason: str | None = None
     # (step, metrics) of the steps whose skip flags and losses the guards have not read yet
     self._unchecked_metrics: list[tuple[int, dict]] = []
-    self._bf16_loss = Bf16Loss(build.eval_step(config, self.plan,
-                                               self.run_model.for_recipe(None), "bf16_loss"))
+    bf16 = self.run_model.for_recipe(None)
+    bf16_loss = build.eval_step(config, self.plan, bf16, "bf16_loss")
+    saved = self._saved_programs()
+    if saved:
+      bf16_loss = bf16_loss._replace(jitted=saved(bf16_loss.jitted, "bf16_loss", bf16))
+    self._bf16_loss = Bf16Loss(bf16_loss)
     self.writer: metrics_lib.MetricWriter | metrics_lib.NullWriter = metrics_lib.NullWriter()
 
   def _build_programs(self, recipe, calibrate: bool) -> None:
@@ -139,15 +144,46 @@ class Trainer:
     first = self.run_model.for_recipe(recipe)
     steady = self.run_model.for_recipe(recipe.replace(calibrated=True)) if calibrate else None
     self.calibration = Calibration(first, steady)
+    saved = self._saved_programs()
     self.steps = build.StepCache(
         self.config, self.tx, self.plan, self._fused_update,
-        self.balanced_counts if self.group_seconds is not None else None)
+        self.balanced_counts if self.group_seconds is not None else None,
+        saved=saved and (lambda step, model, k: step._replace(jitted=saved(
+            step.jitted, "train_step", model, k, donate_argnums=(0,)))))
     self._eval = build.eval_step(self.config, self.plan, self.calibration.model)
     self.health_on = self._health_on(recipe, first)
     self._probe = (build.fp8_probe(self.config, self.plan, first, health=True)
                    if self.health_on else None)
     self._calibrate = (build.fp8_probe(self.config, self.plan, first, health=False)
                        if self.calibration.enabled else None)
+    if saved:
+      self._eval = self._eval._replace(jitted=saved(self._eval.jitted, "eval_step",
+                                                    self.calibration.model))
+      for name in ("_probe", "_calibrate"):
+        probe = getattr(self, name)
+        if probe is not None:
+          setattr(self, name, probe._replace(jitted=saved(probe.jitted, name, first)))
+
+  def _saved_programs(self) -> Callable | None:
+    """``(jitted, name, model, *static, donate_argnums=()) -> jitted`` keeping the traced
+    programs of this run's models in the compilation cache's folder
+    (``fp8jax.train.program_cache``), or None: no cache, a user's model (its code is not part
+    of a program's key), several processes."""
+    if (self.compile_cache is None or self.model_config is None or jax.process_count() > 1
+        or not program_cache.available()):
+      return None
+    if getattr(self, "_programs", None) is None:
+      run = dict(config_to_dict(self.config), model_config=repr(self.model_config),
+                 group_seconds=self.group_seconds)
+      run["runtime"] = {k: v for k, v in run["runtime"].items() if k != "run_dir"}
+      self._programs = program_cache.ProgramCache(
+          os.path.join(self.compile_cache, program_cache.FOLDER),
+          json.dumps(run, sort_keys=True, default=str))
+
+    def saved(jitted, name, model, *static, donate_argnums=()):
+      key = repr((name, self.run_model.recipe_of(model), static))
+      return self._programs.wrap(jitted, key, donate_argnums, self.plan.compiler_options)
+    return saved
 
   def _health_on(self, recipe, model) -> bool:
     """Whether the run probes FP8 cast health (``train.fp8_health_every``): FP8 GEMMs, a linen

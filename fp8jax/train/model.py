@@ -132,6 +132,13 @@ class RunModel:
         self.convert_report = self.convert_report or report
     return self._cache[recipe]
 
+  def recipe_of(self, model) -> Recipe | None:
+    """The recipe :meth:`for_recipe` built `model` for (KeyError for another object)."""
+    for recipe, built in self._cache.items():
+      if built is model:
+        return recipe
+    raise KeyError(f"{type(model).__name__} was not built by this RunModel")
+
   def pretrained_params(self) -> dict | None:
     """The ``init_from`` checkpoint's params (numpy, the model's params tree) or None."""
     if self._init_from is None:

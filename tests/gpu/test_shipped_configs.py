@@ -1,9 +1,10 @@
 """Every shipped config end to end on the GPU (sm_89+ only; skipped elsewhere): a few steps at
-its shipped level including an evaluation and a checkpoint save, then a resume from that
-checkpoint, each through ``fp8jax train`` as a user runs it. Each run's peak device memory is
-printed next to the memory model's estimate of its largest phase
-(``fp8jax.train.memory.run_bytes``) as a Markdown row (``-s`` shows them; RESULTS.md keeps
-the table). FP8JAX_GPU_CONFIGS=a.yaml,b.yaml runs a subset."""
+its shipped level including an evaluation and one checkpoint save (at step 3: a 7B checkpoint
+is ~32 GB, and two of them do not fit every disk), then a resume from that checkpoint, each
+through ``fp8jax train`` as a user runs it. Each run's peak device memory is printed next to
+the memory model's estimate of its largest phase (``fp8jax.train.memory.run_bytes``) as a
+Markdown row (``-s`` shows them; RESULTS.md keeps the table). FP8JAX_GPU_CONFIGS=a.yaml,b.yaml
+runs a subset."""
 import json
 import os
 import shutil
@@ -30,7 +31,7 @@ pytestmark = [pytest.mark.gpu,
 
 def _train(config: str, run_dir, steps: int) -> subprocess.CompletedProcess:
   sets = [f"train.steps={steps}", "train.eval_every=2", "train.eval_batches=2",
-          "train.log_every=1", "checkpoint.checkpoint_every_n_steps=2",
+          "train.log_every=1", "checkpoint.checkpoint_every_n_steps=3",
           "checkpoint.keep=1", "checkpoint.auto_resume=true", f"runtime.run_dir={run_dir}"]
   cmd = [sys.executable, "-m", "fp8jax.cli", "train", "--config", config, "--no-progress"]
   for s in sets:

@@ -2,7 +2,9 @@
 step program; with pipeline stages too), its first programs (the calibration pass, the step)
 in the compile thread while the next is traced, its health probe at its first use, and a
 second run of the same config loads its programs from the persistent compilation cache
-(``runtime.compile_cache``)."""
+(``runtime.compile_cache``) and its traced programs from beside it
+(``fp8jax.train.program_cache``), never those of another config."""
+import os
 import time
 
 import jax
@@ -10,7 +12,7 @@ import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
 from fp8jax.config import load_config
-from fp8jax.train import compiles
+from fp8jax.train import compiles, program_cache
 from fp8jax.train.compiles import CompileLog
 from fp8jax.train.loop import Trainer
 
@@ -35,6 +37,12 @@ def _run(cfg) -> CompileLog:
   return log
 
 
+SMALL = ["train.steps=2", "train.log_every=1", "train.batch_size=4", "model.n_layers=1",
+         "model.d_model=32", "model.n_heads=2", "model.d_ff=64", "data.seq_len=32",
+         "model.max_seq_len=32", "data.max_bytes=200000",
+         "checkpoint.checkpoint_every_n_steps=0"]
+
+
 # Pipeline stages (8 CPU devices: 2 stages x data 4): the calibration pass and the cast-health
 # probe run through the stages; 1F1B and a batch ramp whose first step runs fewer
 # microbatches than the stages (one dynamic step program).
@@ -49,12 +57,9 @@ def test_one_train_step_compile_per_run_and_a_second_run_hits_the_cache(tmp_path
                                                                          session_cache,
                                                                          stages, capsys):
   cache = tmp_path / "cache"
-  cfg = load_config(TINY, [
-      "train.opt_level=O1", "fp8.calibrate=always", "train.steps=2", "train.log_every=1",
-      "train.eval_every=1", "train.eval_batches=2", "train.fp8_health_every=1",
-      "train.batch_size=4", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",
-      "model.d_ff=64", "data.seq_len=32", "model.max_seq_len=32", "data.max_bytes=200000",
-      "checkpoint.checkpoint_every_n_steps=0", f"runtime.run_dir={tmp_path / 'run'}",
+  cfg = load_config(TINY, SMALL + [
+      "train.opt_level=O1", "fp8.calibrate=always", "train.eval_every=1",
+      "train.eval_batches=2", "train.fp8_health_every=1", f"runtime.run_dir={tmp_path / 'run'}",
       f"runtime.compile_cache={cache}", *(PIPELINE if stages > 1 else [])])
   first = _run(cfg)
   assert "first step done" in capsys.readouterr().out
@@ -87,3 +92,28 @@ def test_cache_dir_setting(monkeypatch, tmp_path, session_cache):
   assert jax.config.jax_compilation_cache_dir is None
   (tmp_path / "a_file").write_text("")
   assert compiles.use_compile_cache(str(tmp_path / "a_file" / "cache")) is None  # warned, off
+
+
+def test_a_second_run_loads_its_traced_programs_and_another_config_traces_its_own(
+    tmp_path, session_cache, monkeypatch):
+  """Two runs of one config sharing a compilation cache folder: the second exports no
+  program (it loads each one traced by the first) and trains to the same losses; a run with
+  another learning rate traces its own programs and trains differently."""
+
+  def run(name: str, *extra: str):
+    cfg = load_config(TINY, SMALL + [
+        "train.opt_level=O2", "train.eval_every=2", "train.eval_batches=1",
+        f"runtime.compile_cache={tmp_path / 'cache'}", f"runtime.run_dir={tmp_path / name}",
+        *extra])
+    final = Trainer(cfg, progress=False).run()
+    return final["loss"], final["val_loss"]
+
+  first = run("a")
+  assert os.listdir(tmp_path / "cache" / program_cache.FOLDER)
+  exports = []
+  real = program_cache.SavedJit._export
+  monkeypatch.setattr(program_cache.SavedJit, "_export",
+                      lambda self, *a: exports.append(self.key) or real(self, *a))
+  assert run("b") == first and exports == []
+  other = run("c", "train.learning_rate=0.003")
+  assert exports and other != first
