@@ -145,11 +145,14 @@ class Trainer:
     steady = self.run_model.for_recipe(recipe.replace(calibrated=True)) if calibrate else None
     self.calibration = Calibration(first, steady)
     saved = self._saved_programs()
+
+    def saved_step(step, model, microbatches):
+      return step._replace(jitted=saved(step.jitted, "train_step", model, microbatches,
+                                        donate_argnums=(0,)))
     self.steps = build.StepCache(
         self.config, self.tx, self.plan, self._fused_update,
         self.balanced_counts if self.group_seconds is not None else None,
-        saved=saved and (lambda step, model, k: step._replace(jitted=saved(
-            step.jitted, "train_step", model, k, donate_argnums=(0,)))))
+        saved=saved_step if saved else None)
     self._eval = build.eval_step(self.config, self.plan, self.calibration.model)
     self.health_on = self._health_on(recipe, first)
     self._probe = (build.fp8_probe(self.config, self.plan, first, health=True)

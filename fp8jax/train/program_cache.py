@@ -151,7 +151,8 @@ class SavedJit:
                donate_argnums: Sequence[int] = (), compiler_options: dict | None = None):
     self.jitted, self.cache, self.key = jitted, cache, key
     self.donate_argnums, self.compiler_options = tuple(donate_argnums), compiler_options
-    self._programs: dict[str, Any] = {}
+    self._programs: dict[str, Any] = {}  # signature -> program
+    self._seen: dict = {}  # the arguments' types and shardings -> program
     self._lock = threading.Lock()
 
   @property
@@ -159,11 +160,18 @@ class SavedJit:
     return getattr(self.jitted, "__name__", "program")
 
   def _program(self, args) -> Callable:
-    sig = signature(args)
-    with self._lock:
-      if sig not in self._programs:
-        self._programs[sig] = self._load_or_export(args, sig)
-      return self._programs[sig]
+    leaves, tree = jax.tree.flatten(tuple(args))
+    fast = (tree, tuple((getattr(x, "shape", None), getattr(x, "dtype", None),
+                         getattr(x, "weak_type", None), getattr(x, "sharding", None))
+                        for x in leaves))  # hashable, cheaper than `signature` per call
+    program = self._seen.get(fast)
+    if program is None:
+      sig = signature(args)
+      with self._lock:
+        if sig not in self._programs:
+          self._programs[sig] = self._load_or_export(args, sig)
+        program = self._seen[fast] = self._programs[sig]
+    return program
 
   def __call__(self, *args):
     return self._program(args)(*args)
