@@ -115,6 +115,7 @@ class Trainer:
     """The run's programs, checkpoints, guards and metric writer."""
     config = self.config
     self.group_seconds = self._group_seconds()  # None: uniform split (no device_map)
+    self._programs: program_cache.ProgramCache | None = None  # (:meth:`_saved_programs`)
     self._fused_update = build.fused_update_fn(config, self.schedule, self.plan)
     self._build_programs(self.level.recipe, calibrate=build.calibration_on(config))
     self.run_dir = config.runtime.run_path
@@ -175,7 +176,7 @@ class Trainer:
     if (self.compile_cache is None or self.model_config is None or jax.process_count() > 1
         or not program_cache.available()):
       return None
-    if getattr(self, "_programs", None) is None:
+    if self._programs is None:
       run = dict(config_to_dict(self.config), model_config=repr(self.model_config),
                  group_seconds=self.group_seconds)
       run["runtime"] = {k: v for k, v in run["runtime"].items() if k != "run_dir"}
@@ -484,8 +485,9 @@ class Trainer:
       for line in (self.capability.lines() + self.auto.lines() + self.config.notices()
                    + list(describe_conversion(self.run_model.convert_report))):
         print(f"fp8jax train: {line}")
-      print("fp8jax train: compiled programs cached in "
-            f"{self.compile_cache} (runtime.compile_cache)" if self.compile_cache else
+      kept = "compiled and traced" if self._programs else "compiled"
+      print(f"fp8jax train: {kept} programs cached in {self.compile_cache} "
+            "(runtime.compile_cache)" if self.compile_cache else
             "fp8jax train: compilation cache off (runtime.compile_cache)")
       if self.group_seconds is not None:
         print(f"fp8jax train: {self._balance_line(self.config.microbatches_at(start))}")
