@@ -115,7 +115,7 @@ class Trainer:
     """The run's programs, checkpoints, guards and metric writer."""
     config = self.config
     self.group_seconds = self._group_seconds()  # None: uniform split (no device_map)
-    self._programs: program_cache.ProgramCache | None = None  # (:meth:`_saved_programs`)
+    self._programs: program_cache.ProgramCache | None = None  # (:meth:`_program_cache`)
     self._fused_update = build.fused_update_fn(config, self.schedule, self.plan)
     self._build_programs(self.level.recipe, calibrate=build.calibration_on(config))
     self.run_dir = config.runtime.run_path
@@ -131,11 +131,8 @@ class Trainer:
     # (step, metrics) of the steps whose skip flags and losses the guards have not read yet
     self._unchecked_metrics: list[tuple[int, dict]] = []
     bf16 = self.run_model.for_recipe(None)
-    bf16_loss = build.eval_step(config, self.plan, bf16, "bf16_loss")
-    saved = self._saved_programs()
-    if saved:
-      bf16_loss = bf16_loss._replace(jitted=saved(bf16_loss.jitted, "bf16_loss", bf16))
-    self._bf16_loss = Bf16Loss(bf16_loss)
+    self._bf16_loss = Bf16Loss(self._kept(build.eval_step(config, self.plan, bf16, "bf16_loss"),
+                                          "bf16_loss", bf16))
     self.writer: metrics_lib.MetricWriter | metrics_lib.NullWriter = metrics_lib.NullWriter()
 
   def _build_programs(self, recipe, calibrate: bool) -> None:
@@ -145,49 +142,48 @@ class Trainer:
     first = self.run_model.for_recipe(recipe)
     steady = self.run_model.for_recipe(recipe.replace(calibrated=True)) if calibrate else None
     self.calibration = Calibration(first, steady)
-    saved = self._saved_programs()
-
-    def saved_step(step, model, microbatches):
-      return step._replace(jitted=saved(step.jitted, "train_step", model, microbatches,
-                                        donate_argnums=(0,)))
     self.steps = build.StepCache(
         self.config, self.tx, self.plan, self._fused_update,
         self.balanced_counts if self.group_seconds is not None else None,
-        saved=saved_step if saved else None)
-    self._eval = build.eval_step(self.config, self.plan, self.calibration.model)
+        saved=lambda step, model, k: self._kept(step, "train_step", model, k,
+                                                donate_argnums=(0,)))
+    self._eval = self._kept(build.eval_step(self.config, self.plan, self.calibration.model),
+                            "eval_step", self.calibration.model)
     self.health_on = self._health_on(recipe, first)
-    self._probe = (build.fp8_probe(self.config, self.plan, first, health=True)
-                   if self.health_on else None)
-    self._calibrate = (build.fp8_probe(self.config, self.plan, first, health=False)
-                       if self.calibration.enabled else None)
-    if saved:
-      self._eval = self._eval._replace(jitted=saved(self._eval.jitted, "eval_step",
-                                                    self.calibration.model))
-      for name in ("_probe", "_calibrate"):
-        probe = getattr(self, name)
-        if probe is not None:
-          setattr(self, name, probe._replace(jitted=saved(probe.jitted, name, first)))
+    self._probe = (self._kept(build.fp8_probe(self.config, self.plan, first, health=True),
+                              "fp8_probe", first) if self.health_on else None)
+    self._calibrate = (
+        self._kept(build.fp8_probe(self.config, self.plan, first, health=False),
+                   "fp8_calibration", first) if self.calibration.enabled else None)
 
-  def _saved_programs(self) -> Callable | None:
-    """``(jitted, name, model, *static, donate_argnums=()) -> jitted`` keeping the traced
-    programs of this run's models in the compilation cache's folder
-    (``fp8jax.train.program_cache``), or None: no cache, a user's model (its code is not part
-    of a program's key), several processes."""
+  def _kept(self, program, name: str, model, *static, donate_argnums=()):
+    """`program` (a NamedTuple with a ``jitted``: a step, evaluation step or probe of
+    `model`) with its traced programs kept in the compilation cache's folder under `name`,
+    `model`'s recipe and `static` (``fp8jax.train.program_cache``); `program` itself when
+    :meth:`_program_cache` is None."""
+    cache = self._program_cache()
+    if cache is None:
+      return program
+    key = repr((name, self.run_model.recipe_of(model), static))
+    return program._replace(jitted=cache.wrap(program.jitted, key, donate_argnums,
+                                              self.plan.compiler_options))
+
+  def _program_cache(self) -> program_cache.ProgramCache | None:
+    """The run's traced programs' cache (made at the first call), keyed by the resolved
+    config but for what names the run's folders; None: no compilation cache, a user's model
+    (its code is not part of a program's key), several processes."""
     if (self.compile_cache is None or self.model_config is None or jax.process_count() > 1
         or not program_cache.available()):
       return None
     if self._programs is None:
       run = dict(config_to_dict(self.config), model_config=repr(self.model_config),
                  group_seconds=self.group_seconds)
-      run["runtime"] = {k: v for k, v in run["runtime"].items() if k != "run_dir"}
+      run["runtime"] = {k: v for k, v in run["runtime"].items()
+                        if k not in ("name", "run_dir", "compile_cache")}
       self._programs = program_cache.ProgramCache(
           os.path.join(self.compile_cache, program_cache.FOLDER),
           json.dumps(run, sort_keys=True, default=str))
-
-    def saved(jitted, name, model, *static, donate_argnums=()):
-      key = repr((name, self.run_model.recipe_of(model), static))
-      return self._programs.wrap(jitted, key, donate_argnums, self.plan.compiler_options)
-    return saved
+    return self._programs
 
   def _health_on(self, recipe, model) -> bool:
     """Whether the run probes FP8 cast health (``train.fp8_health_every``): FP8 GEMMs, a linen

@@ -96,15 +96,15 @@ def test_cache_dir_setting(monkeypatch, tmp_path, session_cache):
 
 def test_a_second_run_loads_its_traced_programs_and_another_config_traces_its_own(
     tmp_path, session_cache, monkeypatch):
-  """Two runs of one config sharing a compilation cache folder: the second exports no
-  program (it loads each one traced by the first) and trains to the same losses; a run with
+  """Two runs of one config (but their names and folders) sharing a compilation cache
+  folder: the second exports no program (it loads each one traced by the first) and trains to the same losses; a run with
   another learning rate traces its own programs and trains differently."""
 
   def run(name: str, *extra: str):
     cfg = load_config(TINY, SMALL + [
         "train.opt_level=O2", "train.eval_every=2", "train.eval_batches=1",
-        f"runtime.compile_cache={tmp_path / 'cache'}", f"runtime.run_dir={tmp_path / name}",
-        *extra])
+        f"runtime.compile_cache={tmp_path / 'cache'}", f"runtime.name={name}",
+        f"runtime.run_dir={tmp_path / name}", *extra])
     final = Trainer(cfg, progress=False).run()
     return final["loss"], final["val_loss"]
 
