@@ -97,8 +97,9 @@ def test_cache_dir_setting(monkeypatch, tmp_path, session_cache):
 def test_a_second_run_loads_its_traced_programs_and_another_config_traces_its_own(
     tmp_path, session_cache, monkeypatch):
   """Two runs of one config (but their names and folders) sharing a compilation cache
-  folder: the second exports no program (it loads each one traced by the first) and trains to the same losses; a run with
-  another learning rate traces its own programs and trains differently."""
+  folder: the second exports no program (it loads each one traced by the first) and trains
+  to the same losses; a run with another learning rate traces its own programs and trains
+  differently."""
 
   def run(name: str, *extra: str):
     cfg = load_config(TINY, SMALL + [
