@@ -303,11 +303,9 @@ def _fp8_matmul_fwd(x, w, meta: Fp8DotMeta, wc: WeightCast | None, gain, cfg: _C
     qw_saved = qw
   k_axis = x.ndim - 1
   y = _mm(qx, qw, (k_axis, k_axis - 1), sx * sw, cfg.out_dtype, cfg.native, True)
-  new_in = scaling.update_meta(meta.input, ax, r, r.fwd_format)
-  new_k = scaling.update_meta(meta.kernel, aw, r, r.fwd_format)
   # Fused: the residual is x's transposed copy q_x_t[.., K, M], ready for the TN wgrad GEMM.
   # Gathered weights keep only their shard; the backward gathers it again.
-  res = (qx_saved, qw_saved, sx, sw, meta.output_grad, new_in, new_k, x_pre, gain)
+  res = (qx_saved, qw_saved, sx, sw, meta, ax, aw, x_pre, gain)
   return (y, meta), res
 
 
@@ -322,16 +320,16 @@ def _matmul_bwd(cfg: _Config, res, g, meta_ct, out_activation: str | None = None
   activation's derivative is applied in the gradient's cast. ``through_activation=False``
   returns the cotangent of the activated lhs (cfg.activation's derivative left to the
   caller). Returns the cotangents of (x, w, meta, wc, gain)."""
-  qx, qw, sx, sw, og_meta, new_in, new_k, x_pre, gain = res  # fused: qx is q_x_t[.., K, M]
+  qx, qw, sx, sw, meta, ax, aw, x_pre, gain = res  # fused: qx is q_x_t[.., K, M]
   r = cfg.recipe
   g = scaling.dense_cotangent(g)
   if cfg.fused:
-    qg, qg_t, ag, sg = _fused_cast(g, og_meta, r, r.bwd_format, cfg.amax_axes, out_activation,
-                                   out_activation_input)
+    qg, qg_t, ag, sg = _fused_cast(g, meta.output_grad, r, r.bwd_format, cfg.amax_axes,
+                                   out_activation, out_activation_input)
   else:
     g = ct.cast_operand(g, out_activation, out_activation_input)
     ag = scaling.compute_amax(g, cfg.amax_axes)
-    sg = scaling.scale_for_cast(og_meta, ag, r, r.bwd_format)
+    sg = scaling.scale_for_cast(meta.output_grad, ag, r, r.bwd_format)
     qg = scaling.quantize(g, sg, r.bwd_format)
   if cfg.w_gather is not None and not cfg.w_gather[2]:  # gathered again, once g is here
     qw = fsdp.constrain_bits(qw, cfg.w_gather[1], qg)
@@ -357,7 +355,9 @@ def _matmul_bwd(cfg: _Config, res, g, meta_ct, out_activation: str | None = None
   if cfg.norm_eps is not None:  # RMSNorm's backward, recomputed from its input
     dx, d_gain = jax.vjp(lambda v, g: ct.rms_norm(v, g, cfg.norm_eps), x_pre, gain)[1](
         dx.astype(x_pre.dtype))
-  new_meta = Fp8DotMeta(new_in, new_k, scaling.update_meta(og_meta, ag, r, r.bwd_format))
+  # The three delayed updates (x's and w's amaxes from the forward, g's) as one.
+  new_meta = Fp8DotMeta(*scaling.update_metas(
+      meta, (ax, aw, ag), r, (r.fwd_format, r.fwd_format, r.bwd_format)))
   new_meta = jax.tree.map(lambda a: to_vma(a, cfg.meta_vma), new_meta)
   wc_ct = WeightCast(jnp.zeros_like(qw), jnp.zeros_like(sw), jnp.zeros_like(sw)) \
       if cfg.weight_cast else None  # a cast is not differentiated (w gets the weight gradient)

@@ -157,6 +157,39 @@ def update_meta(meta: Fp8Meta, amax: jax.Array, recipe: Recipe, fmt) -> Fp8Meta:
   return Fp8Meta(scale, history)
 
 
+def _stack(xs: Sequence[jax.Array]) -> jax.Array:
+  """The arrays `xs` (one shape) stacked on a new leading axis."""
+  return lax.concatenate([lax.expand_dims(x, (0,)) for x in xs], 0)
+
+
+def update_metas(metas: Sequence[Fp8Meta], amaxes: Sequence[jax.Array], recipe: Recipe,
+                 fmts: Sequence) -> tuple[Fp8Meta, ...]:
+  """:func:`update_meta` of each ``(metas[i], amaxes[i], fmts[i])``, bit-identical, computed
+  as one stacked update when the metas' scales and histories share their shapes (e.g. one
+  GEMM's input, kernel and output-gradient states: one set of small XLA kernels instead of
+  three), one by one otherwise. `amaxes[i]`: f32, shaped like ``metas[i].scale``. Returns the
+  updated metas in order."""
+  if len(metas) < 2 or len({(m.scale.shape, m.amax_history.shape) for m in metas}) != 1:
+    return tuple(update_meta(m, a, recipe, f) for m, a, f in zip(metas, amaxes, fmts))
+  history = _stack([m.amax_history for m in metas])  # [n, ..., L]
+  amax = _stack([lax.convert_element_type(a, history.dtype) for a in amaxes])  # [n, ...]
+  amax = lax.select(lax.is_finite(amax), amax, lax.broadcast(_zero(amax), amax.shape))
+  last = history.ndim - 1
+  history = lax.concatenate([lax.expand_dims(amax, (last,)),
+                             lax.slice_in_dim(history, 0, history.shape[last] - 1, axis=last)],
+                            last)
+  top = (lax.reduce_max(history, (last,)) if recipe.amax_compute_algo == "max"
+         else lax.index_in_dim(history, 0, last, keepdims=False))
+  factor = np.array([2.0 ** recipe.margin / fp8_max(f) for f in fmts], np.float32)
+  scale = lax.mul(_f32(top), lax.broadcast_in_dim(factor, top.shape, (0,)))
+  if recipe.power_of_two_scales:
+    scale = power_of_two_at_least(scale)
+  # (as scale_from_amax: testing the scale covers an amax of 0, inf or NaN)
+  scale = lax.select(_finite_positive(scale), scale, _stack([_f32(m.scale) for m in metas]))
+  return tuple(Fp8Meta(lax.index_in_dim(scale, i, keepdims=False),
+                       lax.index_in_dim(history, i, keepdims=False)) for i in range(len(metas)))
+
+
 def scale_for_cast(meta: Fp8Meta, amax: jax.Array, recipe: Recipe, fmt) -> jax.Array:
   """The scale to cast a tensor of amax `amax` with now (delayed or current scaling)."""
   current = scale_from_amax(amax, meta.scale, fmt, recipe.margin, recipe.power_of_two_scales)

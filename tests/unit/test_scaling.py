@@ -97,6 +97,40 @@ def test_first_cast_of_a_fresh_meta_uses_current_scaling(key):
   assert rel_err(scaling.dequantize(scaling.quantize(g, s, E5M2), s), np.asarray(g, np.float64)) < 0.12
 
 
+@pytest.mark.parametrize("recipe", [
+    Recipe(), Recipe(amax_history_len=1),
+    Recipe(amax_compute_algo="most_recent", margin=2, power_of_two_scales=True)])
+def test_stacked_updates_equal_the_updates_one_by_one(key, recipe):
+  """One GEMM's three states updated as one stacked update (``update_metas``) give exactly
+  what three ``update_meta`` calls give: random histories and scales, a never-observed
+  history, and an amax that is 0, inf, NaN or finite; scalar states and states stacked per
+  layer; mismatched shapes fall back to one by one."""
+  L = recipe.amax_history_len
+  fmts = (E4M3, E4M3, E5M2)
+  for lead, amaxes in (((), (3.7, np.inf, 0.0)), ((), (np.nan, 1e-3, 250.0)),
+                       ((5,), None)):
+    ks = jax.random.split(jax.random.fold_in(key, len(lead) + int(amaxes is None)), 6)
+    metas = [scaling.Fp8Meta(jnp.exp(jax.random.normal(ks[i], lead)),
+                             jnp.abs(jax.random.normal(ks[3 + i], (*lead, L))) * 10 ** i)
+             for i in range(3)]
+    metas[1] = metas[1]._replace(amax_history=jnp.zeros((*lead, L)))  # never observed
+    if amaxes is None:
+      amaxes = [jnp.abs(jax.random.normal(jax.random.fold_in(key, 9 + i), lead)) * 100
+                for i in range(3)]
+      amaxes[2] = amaxes[2].at[0].set(jnp.inf)
+    amaxes = [jnp.asarray(a, jnp.float32) for a in amaxes]
+    got = scaling.update_metas(metas, amaxes, recipe, fmts)
+    for g, m, a, f in zip(got, metas, amaxes, fmts):
+      update = lambda m, a, f=f: scaling.update_meta(m, a, recipe, f)  # noqa: E731
+      want = (jax.vmap(update) if lead else update)(m, a)  # (per layer, as under nn.scan)
+      np.testing.assert_array_equal(g.scale, want.scale)
+      np.testing.assert_array_equal(g.amax_history, want.amax_history)
+    assert any(not np.array_equal(g.scale, m.scale) for g, m in zip(got, metas))  # updated
+  odd = [fp8jax.init_meta(L), fp8jax.init_meta(L + 1)]
+  got = scaling.update_metas(odd, [jnp.float32(2.0)] * 2, recipe, fmts[:2])
+  assert [g.amax_history.shape for g in got] == [(L,), (L + 1,)]
+
+
 def test_combine_max_equals_update_with_larger_amax(key):
   r = Recipe(amax_history_len=4)
   base = scaling.update_meta(fp8jax.init_meta(4), jnp.float32(3.0), r, E4M3)
