@@ -124,8 +124,19 @@ def scale_from_amax(amax: jax.Array, prev_scale: jax.Array, fmt, margin: float =
   (or the scale would under- or overflow f32). Shapes: `amax` any (f32 after conversion);
   `prev_scale` a scalar or an array broadcasting to `amax`'s trailing axes; the result has
   `amax`'s shape."""
+  return _scale(amax, prev_scale, _factor(fmt, margin), power_of_two)
+
+
+def _factor(fmt, margin: float) -> np.ndarray:
+  """2**margin / fp8_max(fmt) as f32: the scale per unit of amax."""
+  return np.float32(2.0 ** margin / fp8_max(fmt))
+
+
+def _scale(amax: jax.Array, prev_scale: jax.Array, factor, power_of_two: bool) -> jax.Array:
+  """:func:`scale_from_amax` with its factor given (an f32 scalar, or an array of `amax`'s
+  shape: one factor per element)."""
   amax = _f32(amax)
-  scale = lax.mul(amax, np.float32(2.0 ** margin / fp8_max(fmt)))
+  scale = lax.mul(amax, factor)
   if power_of_two:
     scale = power_of_two_at_least(scale)
   # amax * c with a finite c > 0 is finite and > 0 exactly when amax is, unless the product
@@ -137,24 +148,35 @@ def scale_from_amax(amax: jax.Array, prev_scale: jax.Array, fmt, margin: float =
 
 
 def record_amax(history: jax.Array, amax: jax.Array) -> jax.Array:
-  """History with `amax` pushed at index 0 (oldest dropped); a non-finite amax records 0."""
+  """History [..., L] with `amax` [...] pushed at index 0 of its last axis (oldest dropped); a
+  non-finite amax records 0."""
   amax = lax.convert_element_type(amax, history.dtype)
   amax = lax.select(lax.is_finite(amax), amax, lax.broadcast(_zero(amax), amax.shape))
-  older = lax.slice_in_dim(history, 0, history.shape[0] - 1)
-  return lax.concatenate([lax.broadcast(amax, (1,)), older], 0)
+  last = history.ndim - 1
+  older = lax.slice_in_dim(history, 0, history.shape[last] - 1, axis=last)
+  return lax.concatenate([lax.expand_dims(amax, (last,)), older], last)
 
 
 def history_amax(history: jax.Array, recipe: Recipe) -> jax.Array:
-  """The amax a scale is chosen from: max of the history, or its newest entry."""
-  return _reduce_max(history) if recipe.amax_compute_algo == "max" else history[0]
+  """The amax a scale is chosen from, over the last axis of `history` [..., L]: its max, or
+  its newest entry."""
+  last = history.ndim - 1
+  return (lax.reduce_max(history, (last,)) if recipe.amax_compute_algo == "max"
+          else lax.index_in_dim(history, 0, last, keepdims=False))
+
+
+def _update(scale: jax.Array, history: jax.Array, amax: jax.Array, factor,
+            recipe: Recipe) -> Fp8Meta:
+  """The delayed update of states (scale [...], history [..., L]) with `amax` [...] and the
+  scale factor `factor` (see :func:`_scale`)."""
+  history = record_amax(history, amax)
+  return Fp8Meta(_scale(history_amax(history, recipe), scale, factor,
+                        recipe.power_of_two_scales), history)
 
 
 def update_meta(meta: Fp8Meta, amax: jax.Array, recipe: Recipe, fmt) -> Fp8Meta:
   """Delayed update: record `amax`, then the next scale from the new history."""
-  history = record_amax(meta.amax_history, amax)
-  scale = scale_from_amax(history_amax(history, recipe), meta.scale, fmt, recipe.margin,
-                          recipe.power_of_two_scales)
-  return Fp8Meta(scale, history)
+  return _update(meta.scale, meta.amax_history, amax, _factor(fmt, recipe.margin), recipe)
 
 
 def _stack(xs: Sequence[jax.Array]) -> jax.Array:
@@ -171,23 +193,14 @@ def update_metas(metas: Sequence[Fp8Meta], amaxes: Sequence[jax.Array], recipe: 
   updated metas in order."""
   if len(metas) < 2 or len({(m.scale.shape, m.amax_history.shape) for m in metas}) != 1:
     return tuple(update_meta(m, a, recipe, f) for m, a, f in zip(metas, amaxes, fmts))
-  history = _stack([m.amax_history for m in metas])  # [n, ..., L]
-  amax = _stack([lax.convert_element_type(a, history.dtype) for a in amaxes])  # [n, ...]
-  amax = lax.select(lax.is_finite(amax), amax, lax.broadcast(_zero(amax), amax.shape))
-  last = history.ndim - 1
-  history = lax.concatenate([lax.expand_dims(amax, (last,)),
-                             lax.slice_in_dim(history, 0, history.shape[last] - 1, axis=last)],
-                            last)
-  top = (lax.reduce_max(history, (last,)) if recipe.amax_compute_algo == "max"
-         else lax.index_in_dim(history, 0, last, keepdims=False))
-  factor = np.array([2.0 ** recipe.margin / fp8_max(f) for f in fmts], np.float32)
-  scale = lax.mul(_f32(top), lax.broadcast_in_dim(factor, top.shape, (0,)))
-  if recipe.power_of_two_scales:
-    scale = power_of_two_at_least(scale)
-  # (as scale_from_amax: testing the scale covers an amax of 0, inf or NaN)
-  scale = lax.select(_finite_positive(scale), scale, _stack([_f32(m.scale) for m in metas]))
-  return tuple(Fp8Meta(lax.index_in_dim(scale, i, keepdims=False),
-                       lax.index_in_dim(history, i, keepdims=False)) for i in range(len(metas)))
+  scale = _stack([m.scale for m in metas])  # [n, ...]
+  factor = np.array([_factor(f, recipe.margin) for f in fmts], np.float32)
+  new = _update(scale, _stack([m.amax_history for m in metas]),
+                _stack([lax.convert_element_type(a, jnp.float32) for a in amaxes]),
+                lax.broadcast_in_dim(factor, scale.shape, (0,)), recipe)
+  return tuple(Fp8Meta(lax.index_in_dim(new.scale, i, keepdims=False),
+                       lax.index_in_dim(new.amax_history, i, keepdims=False))
+               for i in range(len(metas)))
 
 
 def scale_for_cast(meta: Fp8Meta, amax: jax.Array, recipe: Recipe, fmt) -> jax.Array:
