@@ -6,8 +6,10 @@ the step applies it (remat policy, GEMM weights decoded to the compute dtype ins
 program, ZeRO-3 gathering each parameter at use; with pipeline stages through the stages,
 each holding its own layers: the evaluation and the calibration pass, not the cast-health
 probe) and the parameters and FP8 state where the plan keeps them, and neither forms a
-parameter gradient: neither needs more device memory
-than the train step beside the state the run holds anyway. The evaluation step loops over up
+parameter gradient (the compiled memory of each against the step's, on CPU:
+``tests/integration/test_phase_memory.py``; on a GPU the cast-health probe of the 7B config
+needed more temporaries than its step, and the Trainer switches the probe off when it runs
+out of memory). The evaluation step loops over up
 to the step's microbatch count of microbatches inside one program (a loop with a dynamic
 trip count: one compile serves a last, shorter call) and returns loss sums and token counts.
 """

@@ -7,9 +7,8 @@ state and, in the collection ``perturbations``, two zero taps per FP8 GEMM
 (``fp8jax.linen``: identities with a custom backward): the gradient of "forward_health"
 (f32[4]) is the (saturated, flushed) fractions of the GEMM's input and kernel casts, that of
 "output_grad_health" (f32[2]) those of its output-gradient cast, each summed over the layer's
-calls. It never differentiates the parameters and keeps nothing beyond what the model's
-backward keeps (its remat policy): on the same batch it needs no more memory than a train
-step's microbatch. Through pipeline stages the taps ride in the stacked and shared variables
+calls. It never differentiates the parameters and saves what the model's backward saves (its
+remat policy). Through pipeline stages the taps ride in the stacked and shared variables
 (``fp8jax.train.pipeline_loop.pipeline_probe``).
 """
 from __future__ import annotations

@@ -17,7 +17,9 @@ then what is due after it (``Trainer._due``: the guards' read, the log window, t
 probe, the evaluation, the checkpoint, a preemption stop). The log window's clock (tokens/s)
 leaves out the evaluation and the compiles of programs at their first use (the health probe,
 the guards' BF16 loss); their running time counts as a cost of training. Out of device
-memory in any phase ends it with ``fp8jax.train.oom.OutOfMemory``.
+memory in any phase ends it with ``fp8jax.train.oom.OutOfMemory``, except in the two
+monitors a run has by default (the FP8 cast-health probe and the FP8-BF16 loss gap): the
+monitor is switched off with a one-line warning and training goes on.
 """
 from __future__ import annotations
 
@@ -128,6 +130,7 @@ class Trainer:
     self.watchdog = guards.DivergenceWatchdog(
         r.divergence_check_every if self.level.fp8_gemms else 0, r.divergence_threshold)
     self.fallback_reason: str | None = None
+    self._loss_gap_on = True  # (off after it ran out of device memory)
     # (step, metrics) of the steps whose skip flags and losses the guards have not read yet
     self._unchecked_metrics: list[tuple[int, dict]] = []
     bf16 = self.run_model.for_recipe(None)
@@ -325,6 +328,7 @@ class Trainer:
     last: a long run's first step waits for no BF16 program), until a fallback to BF16."""
     t = self.config.train
     return (bool(t.fp8_health_every) and self.level.fp8_gemms and self.fallback_reason is None
+            and self._loss_gap_on
             and ((step + 1) % t.fp8_health_every == 0 or step + 1 == t.steps))
 
   def _watchdog_loss(self, step: int, batch, window: "_LogWindow") -> Any:
@@ -332,12 +336,27 @@ class Trainer:
     checks that step (``runtime.divergence_check_every``) or the FP8-BF16 loss gap is
     measured (:meth:`_loss_gap_due`), else None. Its running time counts in `window`'s
     clock (a cost of training), its compile at its first use does not."""
-    self._phase = oom.WATCHDOG
-    if not (self.watchdog.due(step) or self._loss_gap_due(step)):
+    guard = self.watchdog.due(step)
+    self._phase = oom.WATCHDOG if guard else oom.LOSS_GAP
+    if not (guard or self._loss_gap_due(step)):
       return None
     self._wait_for_steps()
-    with window.without_compiles():
-      return self._bf16_loss(self.state, batch)
+    try:
+      with window.without_compiles():
+        return self._bf16_loss(self.state, batch)
+    except jax.errors.JaxRuntimeError as error:
+      if guard or not oom.is_out_of_memory(error):  # the guard the user asked for: fatal
+        raise
+      self._loss_gap_on = False
+      self._monitor_off(error)
+      return None
+
+  def _monitor_off(self, error: BaseException) -> None:
+    """Warns (one line) that the monitor of ``self._phase`` ran out of device memory
+    (`error`) and is off for the rest of the run (the caller switches it off); the state is
+    intact (a monitor donates nothing)."""
+    logger.warning("fp8jax: %s. The %s is off for the rest of the run; training goes on",
+                   oom.diagnosis(self._phase, error, self.config), self._phase)
 
   def _wait_for_steps(self) -> None:
     """Waits for the device to finish the steps dispatched so far (before a program that
@@ -543,8 +562,15 @@ class Trainer:
     use does not."""
     self._phase = oom.PROBE
     self._wait_for_steps()
-    with window.without_compiles():
-      health, _ = self._probe(self.state, batch)
+    try:
+      with window.without_compiles():
+        health, _ = self._probe(self.state, batch)
+    except jax.errors.JaxRuntimeError as error:
+      if not oom.is_out_of_memory(error):
+        raise
+      self.health_on = False
+      self._monitor_off(error)
+      return
     self.writer.write(step + 1, {k: float(v) for k, v in health.items()})
 
   # ------------------------------------------------------------------ layout

@@ -9,9 +9,9 @@ import jax
 from fp8jax.hardware import GiB
 
 # The phases of a run (``Trainer`` names the one that runs).
-INIT, CALIBRATION, STEP, EVAL, PROBE, WATCHDOG, CHECKPOINT, RESTORE = (
+INIT, CALIBRATION, STEP, EVAL, PROBE, WATCHDOG, LOSS_GAP, CHECKPOINT, RESTORE = (
     "state initialisation", "FP8 calibration", "train step", "evaluation", "FP8 health probe",
-    "divergence check", "checkpoint save", "checkpoint restore")
+    "divergence check", "FP8-BF16 loss gap", "checkpoint save", "checkpoint restore")
 _UNITS = {"": 1, "b": 1, "byte": 1, "bytes": 1, "k": 2**10, "kb": 2**10, "kib": 2**10,
           "m": 2**20, "mb": 2**20, "mib": 2**20, "g": GiB, "gb": GiB, "gib": GiB,
           "t": 2**40, "tb": 2**40, "tib": 2**40}
@@ -72,12 +72,13 @@ def advice(phase: str, config) -> str:
   off = {EVAL: "train.eval_every=0 (no evaluation)",
          PROBE: "train.fp8_health_every=0 (no probe)",
          CALIBRATION: "fp8.calibrate=never",
-         WATCHDOG: "runtime.divergence_check_every=0"}
+         WATCHDOG: "runtime.divergence_check_every=0",
+         LOSS_GAP: "train.fp8_health_every=0 (no probe, no loss gap)"}
   if phase in (INIT, RESTORE, CHECKPOINT):
     options = state or smaller
   else:
     options = (smaller or state) + ([off[phase]] if phase in off else [])
-  if phase in (EVAL, PROBE, CALIBRATION) and smaller:
+  if phase in (EVAL, PROBE, CALIBRATION, WATCHDOG, LOSS_GAP) and smaller:
     options[0] += f" (the {phase} runs the train step's microbatches)"
   return "try " + "; or ".join(options) if options else "a device with more memory"
 

@@ -2,7 +2,9 @@
 what to change, in one line and exit code 1; with checkpointing on, the last good state is on
 disk. XLA's error is injected (a ``JaxRuntimeError`` with RESOURCE_EXHAUSTED, as XLA raises it
 when an allocation fails)."""
+import json
 import re
+import shutil
 
 import jax
 import pytest
@@ -11,8 +13,9 @@ import ft_util
 from fp8jax import cli
 from fp8jax.checkpoint import CheckpointManager
 from fp8jax.hardware import GiB
-from fp8jax.train import oom
-from fp8jax.train.evaluation import EvalStep
+from fp8jax.train import guards, oom
+from fp8jax.train.evaluation import EvalStep, Probe
+from fp8jax.train.fallback import Bf16Loss
 from fp8jax.train.step import TrainStep
 
 XLA_OOM = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 152.31GiB.: "
@@ -77,3 +80,38 @@ def test_other_runtime_errors_keep_their_traceback(tmp_path, capsys, monkeypatch
 def test_requested_bytes(message, want):
   assert oom.requested_bytes(message) == pytest.approx(want) if want else \
       oom.requested_bytes(message) is None
+
+
+def test_the_default_monitors_step_aside_and_the_run_goes_on(tmp_path, capsys, caplog,
+                                                             monkeypatch):
+  """The FP8 cast-health probe and the FP8-BF16 loss gap (on by default) warn once, switch
+  off and leave the run to finish; the divergence watchdog (a guard asked for) is fatal."""
+  calls = {"probe": 0, "bf16": 0}
+
+  def fail(name):
+    def call(self, state, batch):
+      calls[name] += 1
+      raise jax.errors.JaxRuntimeError(XLA_OOM)
+    return call
+  monkeypatch.setattr(Probe, "__call__", fail("probe"))
+  monkeypatch.setattr(Bf16Loss, "__call__", fail("bf16"))
+  monkeypatch.setattr(oom, "device_memory", lambda: (80 * GiB, 139.8 * GiB))
+  code, err, saved = _run(tmp_path, capsys, steps=4, opt_level="O1", fp8_health_every=1)
+  assert code == 0 and saved == 4, err
+  assert calls == {"probe": 1, "bf16": 1}  # once each, then off
+  warned = [r.getMessage() for r in caplog.records if "out of device memory" in r.getMessage()]
+  assert len(warned) == 2, warned
+  for phase, switch in ((oom.LOSS_GAP, "no loss gap"), (oom.PROBE, "no probe")):
+    line = next(w for w in warned if f"in {phase} (needs ~232.3 GiB" in w)
+    assert switch in line and line.endswith(
+        f"The {phase} is off for the rest of the run; training goes on"), line
+  with open(tmp_path / "run" / "metrics.jsonl") as f:
+    records = [json.loads(line) for line in f if line.strip()]
+  assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+  assert not any(k.startswith("fp8/") and k.endswith(("saturated", "flushed", "loss_gap"))
+                 for r in records for k in r)
+
+  monkeypatch.setattr(guards.DivergenceWatchdog, "due", lambda self, step: True)
+  shutil.rmtree(tmp_path / "run")
+  code, err, _ = _run(tmp_path, capsys, steps=4, opt_level="O1")
+  assert code == 1 and len(err) == 1 and "in divergence check (needs" in err[0], err
