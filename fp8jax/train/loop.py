@@ -42,7 +42,7 @@ from fp8jax.config import Config, config_to_dict, save_config
 from fp8jax.dot import native_fp8_reason
 from fp8jax.parallel import balance, capability, layout, pipeline
 from fp8jax.parallel import device_map as device_map_lib
-from fp8jax.train import build, compiles, guards, oom, program_cache, startup
+from fp8jax.train import build, compiles, guards, memory, oom, program_cache, startup
 from fp8jax.train import metrics as metrics_lib
 from fp8jax.train.calibration import Calibration
 from fp8jax.train.compiles import use_compile_cache
@@ -475,6 +475,34 @@ class Trainer:
     ``step.jitted(state, *step.place(batch))``."""
     model = self.calibration.model if calibrated else self.calibration.first
     return self.steps.get(model, microbatches)
+
+  def phase_memory(self) -> dict[str, int]:
+    """{phase: bytes of device memory its compiled program needs per device besides the
+    train state} for each program the run has (``fp8jax.train.oom`` phase names): the train
+    step (the calibrated model, the first step's microbatch count), the evaluation step, the
+    FP8 calibration pass and the cast-health probe (where the run has them) and the BF16 loss
+    of the divergence check and the FP8-BF16 loss gap (levels with FP8 GEMMs). Each is
+    XLA's ``memory_analysis``: temporaries, outputs not aliased to inputs, and arguments
+    that are not the state. Compiles what is not compiled yet (the persistent cache serves
+    a second call); runs nothing and reads no data."""
+    t, state = self.config.train, self.state
+    k = self.config.microbatches_at(0)
+    batch = np.zeros((k * t.microbatch_size, self.config.data.seq_len + 1), np.int32)
+    step = self.compiled_step(k)
+    out = {oom.STEP: memory.program_bytes(step.jitted.lower(state, *step.place(batch)).compile(), state)}
+    resident = (state.params, state.fp8)
+    evaluation = {oom.EVAL: self._eval}
+    if self.level.fp8_gemms:
+      evaluation[oom.LOSS_GAP] = self._bf16_loss.eval_step
+    for phase, program in evaluation.items():
+      lowered = program.jitted.lower(*resident, *program.place(batch[:program.microbatches
+                                                                      * t.microbatch_size]))
+      out[phase] = memory.program_bytes(lowered.compile(), resident)
+    for phase, probe in ((oom.CALIBRATION, self._calibrate), (oom.PROBE, self._probe)):
+      if probe is not None:
+        out[phase] = memory.program_bytes(probe.jitted.lower(*resident, probe.place(batch)).compile(),
+                                resident)
+    return out
 
   def evaluate(self) -> float:
     """Mean validation loss per token over `eval_batches` fixed microbatches of the train

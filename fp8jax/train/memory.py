@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import jax
 import numpy as np
 
 from fp8jax.models.family import family_of
@@ -241,3 +242,16 @@ def run_bytes(config, remat_policy: str, attention_impl: str, devices: int = 1,
   stage's layers during the step, so this is the busiest stage's)."""
   return max(phase_bytes(config, remat_policy, attention_impl, devices, emulated,
                          assumptions, pipeline_layers=pipeline_layers).values())
+
+
+def program_bytes(compiled, resident=()) -> int:
+  """Bytes per device that `compiled` (a ``jax.stages.Compiled``) needs besides the arrays
+  of `resident` (a pytree of its arguments the run holds anyway, e.g. the train state):
+  XLA's ``memory_analysis`` temporaries, outputs not aliased to inputs, and the other
+  arguments (one device's shard of each array)."""
+  m = compiled.memory_analysis()
+  held = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+             for x in jax.tree.leaves(resident))
+  return int(m.argument_size_in_bytes - held + m.output_size_in_bytes - m.alias_size_in_bytes
+             + m.temp_size_in_bytes)
+
