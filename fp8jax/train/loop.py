@@ -19,7 +19,7 @@ leaves out the evaluation and the compiles of programs at their first use (the h
 the guards' BF16 loss); their running time counts as a cost of training. Out of device
 memory in any phase ends it with ``fp8jax.train.oom.OutOfMemory``, except in the two
 monitors a run has by default (the FP8 cast-health probe and the FP8-BF16 loss gap): the
-monitor is switched off with a one-line warning and training goes on.
+monitor is switched off with a one-line warning and training goes on (single-process runs).
 """
 from __future__ import annotations
 
@@ -345,7 +345,9 @@ class Trainer:
       with window.without_compiles():
         return self._bf16_loss(self.state, batch)
     except jax.errors.JaxRuntimeError as error:
-      if guard or not oom.is_out_of_memory(error):  # the guard the user asked for: fatal
+      # Fatal: in the guard the user asked for, and in a run of several processes (the
+      # others would wait in the program's collectives for this one).
+      if guard or jax.process_count() > 1 or not oom.is_out_of_memory(error):
         raise
       self._loss_gap_on = False
       self._monitor_off(error)

@@ -13,9 +13,11 @@ import ft_util
 from fp8jax import cli
 from fp8jax.checkpoint import CheckpointManager
 from fp8jax.hardware import GiB
-from fp8jax.train import guards, oom
+from fp8jax.config import load_config
+from fp8jax.train import guards, loop, oom
 from fp8jax.train.evaluation import EvalStep, Probe
 from fp8jax.train.fallback import Bf16Loss
+from fp8jax.train.loop import Trainer
 from fp8jax.train.step import TrainStep
 
 XLA_OOM = ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 152.31GiB.: "
@@ -115,3 +117,23 @@ def test_the_default_monitors_step_aside_and_the_run_goes_on(tmp_path, capsys, c
   shutil.rmtree(tmp_path / "run")
   code, err, _ = _run(tmp_path, capsys, steps=4, opt_level="O1")
   assert code == 1 and len(err) == 1 and "in divergence check (needs" in err[0], err
+
+
+def test_the_loss_gap_stays_fatal_in_a_run_of_several_processes(tmp_path, monkeypatch):
+  """With several processes the others would wait for this one in the BF16 loss program's
+  collectives: out of memory there ends the run (one process is enough to show the rule)."""
+  config = ft_util.tiny_config(tmp_path / "c.yaml", tmp_path / "run",
+                               train={"steps": 2, "opt_level": "O1", "fp8_health_every": 1})
+  trainer = Trainer(load_config(config), progress=False)
+
+  def fail(self, state, batch):
+    raise jax.errors.JaxRuntimeError(XLA_OOM)
+  monkeypatch.setattr(Bf16Loss, "__call__", fail)
+  batch, window = trainer.next_batch(0), loop._LogWindow()
+  with monkeypatch.context() as m:
+    m.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
+      trainer._watchdog_loss(1, batch, window)
+  assert trainer._loss_gap_due(1)
+  assert trainer._watchdog_loss(1, batch, window) is None  # one process: switched off
+  assert not trainer._loss_gap_due(1)
