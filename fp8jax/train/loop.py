@@ -491,20 +491,20 @@ class Trainer:
     k = self.config.microbatches_at(0)
     batch = np.zeros((k * t.microbatch_size, self.config.data.seq_len + 1), np.int32)
     step = self.compiled_step(k)
-    out = {oom.STEP: memory.program_bytes(step.jitted.lower(state, *step.place(batch)).compile(), state)}
+    lowered = {oom.STEP: step.jitted.lower(state, *step.place(batch))}
     resident = (state.params, state.fp8)
     evaluation = {oom.EVAL: self._eval}
     if self.level.fp8_gemms:
       evaluation[oom.LOSS_GAP] = self._bf16_loss.eval_step
     for phase, program in evaluation.items():
-      lowered = program.jitted.lower(*resident, *program.place(batch[:program.microbatches
-                                                                      * t.microbatch_size]))
-      out[phase] = memory.program_bytes(lowered.compile(), resident)
+      rows = batch[:program.microbatches * t.microbatch_size]
+      lowered[phase] = program.jitted.lower(*resident, *program.place(rows))
     for phase, probe in ((oom.CALIBRATION, self._calibrate), (oom.PROBE, self._probe)):
       if probe is not None:
-        out[phase] = memory.program_bytes(probe.jitted.lower(*resident, probe.place(batch)).compile(),
-                                resident)
-    return out
+        lowered[phase] = probe.jitted.lower(*resident, probe.place(batch))
+    return {phase: memory.program_bytes(program.compile(),
+                                        state if phase == oom.STEP else resident)
+            for phase, program in lowered.items()}
 
   def evaluate(self) -> float:
     """Mean validation loss per token over `eval_batches` fixed microbatches of the train

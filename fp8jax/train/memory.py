@@ -254,4 +254,3 @@ def program_bytes(compiled, resident=()) -> int:
              for x in jax.tree.leaves(resident))
   return int(m.argument_size_in_bytes - held + m.output_size_in_bytes - m.alias_size_in_bytes
              + m.temp_size_in_bytes)
-
