@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 
@@ -29,13 +28,6 @@ GiB = 2**30
 # The memory model's name for each phase whose estimate it gives (fp8jax.train.memory.PHASES)
 _ESTIMATED = {"train step": "train step", "evaluation": "evaluation",
               "FP8 calibration": "FP8 probe", "FP8 health probe": "FP8 probe"}
-
-
-def state_bytes(state) -> int:
-  """Bytes per device of the train state (one device's shard of each array)."""
-  import jax
-  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-             for x in jax.tree.leaves(state))
 
 
 def table(own: dict[str, int], state: int, estimates: dict[str, float], limit: float | None,
@@ -73,7 +65,7 @@ def main(argv=None) -> int:
   own = trainer.phase_memory()
   estimates = memory.phase_bytes(cfg, cfg.model.remat_policy, cfg.model.attention_impl,
                                  trainer.plan.mesh.size)
-  state = state_bytes(trainer.state)
+  state = memory.device_bytes(trainer.state)
   limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
   print(f"{args.config} {' '.join(args.set)}: level {cfg.train.opt_level}, "
         f"{cfg.train.microbatches} x {cfg.train.microbatch_size} sequences of "

@@ -250,7 +250,12 @@ def program_bytes(compiled, resident=()) -> int:
   XLA's ``memory_analysis`` temporaries, outputs not aliased to inputs, and the other
   arguments (one device's shard of each array)."""
   m = compiled.memory_analysis()
-  held = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-             for x in jax.tree.leaves(resident))
-  return int(m.argument_size_in_bytes - held + m.output_size_in_bytes - m.alias_size_in_bytes
-             + m.temp_size_in_bytes)
+  return int(m.argument_size_in_bytes - device_bytes(resident) + m.output_size_in_bytes
+             - m.alias_size_in_bytes + m.temp_size_in_bytes)
+
+
+def device_bytes(tree) -> int:
+  """Bytes that one device holds of the arrays of `tree` (one shard of each; all of a
+  replicated one)."""
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+             for x in jax.tree.leaves(tree))
