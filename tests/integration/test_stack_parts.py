@@ -53,7 +53,8 @@ def test_parts_compose_to_the_model_and_any_slice_is_a_stage(level):
 
 def test_converted_parts_run_in_fp8():
   """After convert, the parts' GEMMs are FP8: against the f64 reference of the same weights
-  their logits err well above f32's and within FP8's bound."""
+  their logits err well above BF16's and within FP8's bound. (Over 151 seeds: FP8 0.075 to
+  0.109, median 0.090; BF16 at most 0.010.)"""
   seed = _seed()
   tokens = jax.random.randint(jax.random.key(seed), (4, SEQ), 0, 256)
   plain, fp8 = _model("O0", tokens), _model("O1", tokens)
@@ -65,8 +66,10 @@ def test_converted_parts_run_in_fp8():
   stacked, shared = parts.split(variables)
   got = parts.logits(shared, parts.layers(stacked, parts.embed(shared, tokens)))
   f32 = plain.apply(params, tokens)
+  bf16 = plain.apply(jax.tree.map(lambda a: a.astype(jnp.bfloat16), params), tokens)
   assert rel_error(f32, ref) < 1e-5
-  assert 1e-3 < rel_error(got, ref) < 0.1, rel_error(got, ref)
+  assert 3 * rel_error(bf16, ref) < rel_error(got, ref) < 0.2, (rel_error(got, ref),
+                                                                rel_error(bf16, ref))
 
 
 def test_stack_parts_refuses_a_module_without_the_cut():
