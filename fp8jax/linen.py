@@ -136,13 +136,19 @@ def forward_health(recipe, meta, lhs, rhs) -> jax.Array:
   """f32[4]: (input saturated, input flushed, kernel saturated, kernel flushed) fractions of
   a GEMM's two forward casts with `meta`'s scales (``scaling.cast_health``). A value only:
   no gradient flows through it (the health tap's backward gives it a zero cotangent), so a
-  probe's autodiff traces it once, as a constant."""
+  probe's autodiff traces it once, as a constant.
+
+  The kernel's pair is tagged as part of the weight cast (``dot.WEIGHT_CAST_NAME``): a remat
+  policy that keeps the weight casts keeps it too, so the backward pass, which recomputes
+  only what the policy did not save, needs no weight for it (else every layer's weight
+  would stay alive from the forward to the backward of a probe under a layer scan)."""
   meta, lhs, rhs = jax.lax.stop_gradient((meta, lhs, rhs))
-  out = []
+  pairs = []
   for x, m in ((lhs, meta.input), (rhs, meta.kernel)):
     scale = scaling.scale_for_cast(m, scaling.compute_amax(x), recipe, recipe.fwd_format)
-    out += scaling.cast_health(x, scale, recipe.fwd_format)
-  return jnp.stack(out)
+    pairs.append(jnp.stack(scaling.cast_health(x, scale, recipe.fwd_format)))
+  kernel, = scaling.checkpoint_named(dot.WEIGHT_CAST_NAME, pairs[1])
+  return jnp.concatenate([pairs[0], kernel])
 
 
 @jax.custom_vjp
