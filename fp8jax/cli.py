@@ -30,6 +30,8 @@ of every error. Ctrl-C before training starts exits 130 without a traceback (dur
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import sys
 import textwrap
@@ -675,11 +677,31 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+@contextlib.contextmanager
+def plain_warnings():
+  """While a command runs, fp8jax's log records of level WARNING and above print on stderr
+  as their message alone (``fp8jax: ...``), whatever handler another library gave the root
+  logger (orbax's prints ``WARNING:fp8jax:fp8jax: ...``); the logger is restored after."""
+  log = logging.getLogger("fp8jax")
+  handler = logging.StreamHandler(sys.stderr)
+  handler.setFormatter(logging.Formatter("%(message)s"))
+  handler.setLevel(logging.WARNING)
+  propagate = log.propagate
+  log.addHandler(handler)
+  log.propagate = False
+  try:
+    yield
+  finally:
+    log.removeHandler(handler)
+    log.propagate = propagate
+
+
 def main(argv=None) -> int:
   """Runs one command; returns its exit code (see the module docstring for errors)."""
   args = build_parser().parse_args(argv)
   try:
-    return args.func(args)
+    with plain_warnings():
+      return args.func(args)
   except KeyboardInterrupt:
     if args.debug:
       raise

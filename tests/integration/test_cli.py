@@ -1,4 +1,5 @@
 import json
+import logging
 import os
 import shutil
 import signal
@@ -19,6 +20,35 @@ def test_check_reports_devices_mode_and_errors(capsys):
           if line.strip().startswith(("bf16 ", "fp8 "))}
   fp8_out, bf16_out = float(rows["fp8"][0]), float(rows["bf16"][0])
   assert 3 * bf16_out < fp8_out < 0.08
+
+
+def test_warnings_print_as_their_message_alone_while_a_command_runs(capsys):
+  """orbax gives the root logger a handler (``WARNING:fp8jax:fp8jax: ...``); a command's
+  warnings print as their message alone, once, and the logger is as it was after."""
+  import orbax.checkpoint  # noqa: F401 (its import installs the root handler)
+
+  class Records(logging.Handler):
+    def __init__(self):
+      super().__init__()
+      self.seen = []
+
+    def emit(self, record):
+      self.seen.append(record.getMessage())
+
+  root, log = logging.getLogger(), logging.getLogger("fp8jax")
+  records, handlers = Records(), list(log.handlers)
+  root.addHandler(records)
+  try:
+    with cli.plain_warnings():
+      logging.getLogger("fp8jax.train").warning("fp8jax: a warning")
+      log.info("fp8jax: a detail")
+    assert capsys.readouterr().err == "fp8jax: a warning\n"
+    assert records.seen == []  # not printed again by the root's handlers
+    assert log.propagate and log.handlers == handlers
+    log.warning("fp8jax: outside a command")
+    assert records.seen == ["fp8jax: outside a command"]
+  finally:
+    root.removeHandler(records)
 
 
 def test_console_script_is_installed():
