@@ -18,14 +18,18 @@ TINY = "configs/tiny.yaml"
 MARGIN = 0.05
 
 
-@pytest.mark.parametrize("zero, stages", [(0, 1), (3, 1), (3, 2)])
-def test_no_phase_needs_more_memory_than_the_train_step(tmp_path, zero, stages):
+# (ZeRO stage, pipeline stages, layers, width, sequence length)
+@pytest.mark.parametrize("zero, stages, layers, width, seq",
+                         [(0, 1, 8, 256, 128), (3, 1, 2, 64, 64), (3, 2, 2, 64, 64)])
+def test_no_phase_needs_more_memory_than_the_train_step(tmp_path, zero, stages, layers, width,
+                                                        seq):
   # eval_batches 32 x 8 sequences: 16x the step's batch of 2 microbatches (of 8: one per device)
   # Pipeline stages: the calibration pass and the cast-health probe run through them.
   sets = ["train.opt_level=O2", "fp8.calibrate=always", "train.batch_size=16",
           "train.microbatches=2", "train.eval_batches=32", "train.fp8_health_every=1",
-          "model.n_layers=2", "model.d_model=64", "model.d_ff=256", "data.seq_len=64",
-          "model.max_seq_len=64", "checkpoint.checkpoint_every_n_steps=0",
+          f"model.n_layers={layers}", f"model.d_model={width}", f"model.d_ff={4 * width}",
+          f"data.seq_len={seq}", "model.remat=true", f"model.max_seq_len={seq}",
+          "checkpoint.checkpoint_every_n_steps=0",
           f"parallel.zero_stage={zero}", f"parallel.pipeline_parallel_size={stages}",
           f"runtime.run_dir={tmp_path}"]
   trainer = Trainer(load_config(TINY, sets), progress=False)
@@ -36,6 +40,11 @@ def test_no_phase_needs_more_memory_than_the_train_step(tmp_path, zero, stages):
         f"train step {step / 2**20:.2f} MiB")
   for phase, need in mem.items():
     assert need <= step * (1 + MARGIN), (phase, need, step)
+  if layers > 2:  # 8 layers whose weights outweigh the activations a layer saves
+    # The probe's cast-health taps add numbers, not tensors, to the calibration pass: a probe
+    # that kept each layer's weight from its forward to its backward (the taps read the
+    # weights there once) needed 62.6 MiB here against the pass's 45.5 (now 45.0).
+    assert mem[oom.PROBE] <= mem[oom.CALIBRATION] + MARGIN * step, mem
   if zero == 0:  # what the bound catches: the 32 evaluation microbatches in one forward
     state, val = trainer.state, np.concatenate([trainer.next_batch(0)] * 16)
     model = trainer.calibration.model
@@ -45,16 +54,3 @@ def test_no_phase_needs_more_memory_than_the_train_step(tmp_path, zero, stages):
                                 (state.params, state.fp8))
     assert need > 2 * step, (need, step)
 
-
-def test_cast_health_probe_keeps_no_layer_weight_to_its_backward(tmp_path):
-  """The probe's cast-health taps read each GEMM's weight in the forward only (its health is
-  kept with the weight's FP8 cast): with 8 scanned layers whose weights outweigh a layer's
-  saved activations, a probe whose backward read them again (keeping every layer's decoded
-  weight from the forward to the backward) needed 1.12x the step; it needs ~0.83x."""
-  sets = ["train.opt_level=O2", "train.fp8_health_every=1", "model.remat=true",
-          "model.n_layers=8", "model.d_model=256", "model.d_ff=1024", "model.n_heads=4",
-          "train.batch_size=16", "train.microbatches=1", "data.seq_len=128",
-          "checkpoint.checkpoint_every_n_steps=0", f"runtime.run_dir={tmp_path}"]
-  mem = Trainer(load_config(TINY, sets), progress=False).phase_memory()
-  print({phase: f"{need / 2**20:.2f} MiB" for phase, need in mem.items()})
-  assert mem[oom.PROBE] <= mem[oom.STEP] * (1 + MARGIN), mem
