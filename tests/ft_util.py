@@ -4,6 +4,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -74,7 +75,9 @@ def wait_for_step(run_dir, step: int, proc, timeout: float = 120) -> int:
 def saved_state(ckpt_dir, step: int) -> list:
   """The leaves (numpy, native dtypes) of checkpoint `step`'s state, in tree order."""
   import jax
-  tree = ocp.PyTreeCheckpointer().restore(os.path.join(ckpt_dir, str(step), "state"))
+  with warnings.catch_warnings():  # (read back where it was saved: its own shardings serve)
+    warnings.filterwarnings("ignore", "Sharding info not provided when restoring")
+    tree = ocp.PyTreeCheckpointer().restore(os.path.join(ckpt_dir, str(step), "state"))
   return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
