@@ -53,4 +53,3 @@ def test_no_phase_needs_more_memory_than_the_train_step(tmp_path, zero, stages, 
     need = memory.program_bytes(whole.lower(state.params, state.fp8, val).compile(),
                                 (state.params, state.fp8))
     assert need > 2 * step, (need, step)
-
