@@ -24,10 +24,12 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
+from fp8jax.train import memory, oom  # noqa: E402 (after the path)
+
 GiB = 2**30
-# The memory model's name for each phase whose estimate it gives (fp8jax.train.memory.PHASES)
-_ESTIMATED = {"train step": "train step", "evaluation": "evaluation",
-              "FP8 calibration": "FP8 probe", "FP8 health probe": "FP8 probe"}
+# The memory model's phase (fp8jax.train.memory.PHASES) that estimates each run phase
+_STEP, _EVAL, _PROBE = memory.PHASES
+_ESTIMATED = {oom.STEP: _STEP, oom.EVAL: _EVAL, oom.CALIBRATION: _PROBE, oom.PROBE: _PROBE}
 
 
 def table(own: dict[str, int], state: int, estimates: dict[str, float], limit: float | None,
@@ -35,7 +37,7 @@ def table(own: dict[str, int], state: int, estimates: dict[str, float], limit: f
   """Markdown rows (bytes in GiB, or MiB below 1 GiB): phase, its own bytes, x the train
   step's own, state + own, the estimate of that phase, the device's limit (GiB); phases
   above the step + `margin` marked."""
-  step = own["train step"]
+  step = own[oom.STEP]
   unit, size = ("GiB", GiB) if state + step >= GiB else ("MiB", 2**20)
   rows = [f"| phase | own {unit} | x train step | with the state {unit} | estimate {unit} | "
           f"device GiB |", "|---|---|---|---|---|---|"]
@@ -57,7 +59,6 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   import jax
   from fp8jax.config import load_config
-  from fp8jax.train import memory
   from fp8jax.train.loop import Trainer
 
   trainer = Trainer(load_config(args.config, args.set), progress=False)
